@@ -1,0 +1,52 @@
+"""One dataclass of switches for every stage; the only module that reads the environment.
+
+Entry point: `Config.from_env(**overrides)`, called once per compile by `resfuse.compile` / the backend.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(base) / "resfuse")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    fuse_epilogue: bool = True
+    "Absorb bias / BN / activations / binary ops into the conv or GEMM that produces their input."
+    fuse_add_to_output: bool = True
+    "OneFlow's FuseAddToOutput: a same-shape 2-input add is absorbed by the op that produces one operand."
+    providers: tuple[str, ...] = ("triton", "aten")
+    "Who may run a fused op on CUDA, in order of preference until the tuner measures them."
+    tuning: str = "none"
+    "Tuning level: none (heuristic config), fast, max."
+    interpret: bool = False
+    "Run the Triton kernels under Triton's interpreter on CPU tensors (tests; env RESFUSE_INTERPRET=1)."
+    split_k: int | None = None
+    "Force a split-K factor for every GEMM/conv kernel; None lets the heuristic choose."
+    cache_dir: str = dataclasses.field(default_factory=_default_cache_dir)
+    "Where generated kernels and the tuning cache live (env RESFUSE_CACHE_DIR)."
+    cuda_graphs: bool = False
+    "Replay the compiled forward through CUDA graphs (small batches are launch-bound)."
+    debug_dump: str | None = None
+    "Folder to write the FX graph after each pass as NN-passname.txt (env RESFUSE_DUMP)."
+
+    @classmethod
+    def from_env(cls, **overrides) -> "Config":
+        env = {}
+        if os.environ.get("RESFUSE_INTERPRET", "") not in ("", "0"):
+            env["interpret"] = True
+        if os.environ.get("RESFUSE_CACHE_DIR"):
+            env["cache_dir"] = os.environ["RESFUSE_CACHE_DIR"]
+        if os.environ.get("RESFUSE_DUMP"):
+            env["debug_dump"] = os.environ["RESFUSE_DUMP"]
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"unknown resfuse option(s): {sorted(unknown)}")
+        if "providers" in overrides:
+            overrides["providers"] = tuple(overrides["providers"])
+        return cls(**{**env, **overrides})

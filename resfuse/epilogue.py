@@ -1,0 +1,272 @@
+"""The epilogue IR: one small frozen tree per fused op, and everything derived from it.
+
+A tree has four kinds of node: `Acc` (the conv/GEMM accumulator), `Operand` (a tensor argument: a per-channel
+vector "c", a per-(sample, channel) vector "nc", or a "full" tensor with its own strides), `Const`, and `Op`
+(a unary or binary op from OPS, with float parameters). From a tree we derive:
+  str(tree) / parse()   the canonical signature, passed to the custom ops and used as the cache key;
+  pattern_ops()         the op labels from the accumulator outwards, e.g. ["bn", "add", "relu"];
+  reference()           the math in torch, on [samples, rows, channels] views (see rows3);
+  triton_body()         Triton source that loads the operands and computes the tree.
+
+Every fused output is seen as a [S, P, C] array: S samples, P rows per sample, C channels. A conv output
+[N, K, OH, OW] is [N, OH*OW, K]; an mm output [M, N] is [1, M, N]; a bmm output [B, M, N] is [B, M, N]. An
+operand is any tensor that broadcasts to the output; rows3() gives its [S, P, C] strides, and a zero stride
+is a broadcast.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from typing import Callable, Union
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass(frozen=True)
+class Acc:
+    def __str__(self):
+        return "acc"
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    slot: int
+    kind: str  # "c" per channel, "nc" per (sample, channel), "full"
+
+    def __str__(self):
+        return f"{self.kind}{self.slot}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Const:
+    value: float
+
+    def __str__(self):
+        return f"#{self.value!r}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    name: str
+    args: tuple
+    params: tuple = ()
+
+    def __str__(self):
+        p = f"[{','.join(f'#{float(v)!r}' for v in self.params)}]" if self.params else ""
+        return f"{self.name}{p}({','.join(map(str, self.args))})"
+
+
+Node = Union[Acc, Operand, Const, Op]
+ACC = Acc()
+
+
+# ---- the op table: reference math and Triton source, side by side --------------------------------------
+def _tanh_tl(x: str) -> str:
+    # Triton's interpreter has no libdevice; this form is exact to fp32 rounding on both paths:
+    # a short series near 0 (where 1 - exp(-2|x|) cancels) and the exp form elsewhere.
+    return (f"tl.where(tl.abs({x}) < 0.0625, {x} * (1.0 - {x} * {x} / 3.0 + 2.0 * {x} * {x} * {x} * {x} / 15.0), "
+            f"tl.where({x} < 0.0, -1.0, 1.0) * (1.0 - tl.exp(-2.0 * tl.abs({x}))) / (1.0 + tl.exp(-2.0 * tl.abs({x}))))")
+
+
+def _clamp_tl(x: str, lo: float, hi: float) -> str:
+    nan = "propagate_nan=tl.PropagateNan.ALL"
+    out = x
+    if lo != -math.inf:
+        out = f"tl.maximum({out}, {lo!r}, {nan})"
+    if hi != math.inf:
+        out = f"tl.minimum({out}, {hi!r}, {nan})"
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    arity: int
+    ref: Callable  # (*tensors, *params) -> tensor
+    tl: Callable  # (*source strings, *params) -> source string
+
+
+OPS: dict[str, OpSpec] = {
+    "add": OpSpec(2, lambda a, b: a + b, lambda a, b: f"({a} + {b})"),
+    "sub": OpSpec(2, lambda a, b: a - b, lambda a, b: f"({a} - {b})"),
+    "mul": OpSpec(2, lambda a, b: a * b, lambda a, b: f"({a} * {b})"),
+    "div": OpSpec(2, lambda a, b: a / b, lambda a, b: f"({a} / {b})"),
+    "relu": OpSpec(1, torch.relu, lambda x: _clamp_tl(x, 0.0, math.inf)),
+    "clamp": OpSpec(1, lambda x, lo, hi: torch.clamp(x, lo, hi), _clamp_tl),
+    "leaky_relu": OpSpec(1, lambda x, a: F.leaky_relu(x, a), lambda x, a: f"tl.where({x} > 0.0, {x}, {x} * {a!r})"),
+    "gelu": OpSpec(1, F.gelu, lambda x: f"(0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476)))"),
+    "gelu_tanh": OpSpec(1, lambda x: F.gelu(x, approximate="tanh"),
+                        lambda x: f"(0.5 * {x} * (1.0 + {_tanh_tl(f'(0.7978845608028654 * ({x} + 0.044715 * {x} * {x} * {x}))')}))"),
+    "silu": OpSpec(1, F.silu, lambda x: f"({x} / (1.0 + tl.exp(-{x})))"),
+    "sigmoid": OpSpec(1, torch.sigmoid, lambda x: f"(1.0 / (1.0 + tl.exp(-{x})))"),
+    "hardswish": OpSpec(1, F.hardswish, lambda x: f"({x} * {_clamp_tl(f'({x} + 3.0)', 0.0, 6.0)} / 6.0)"),
+    "hardsigmoid": OpSpec(1, F.hardsigmoid, lambda x: f"({_clamp_tl(f'({x} + 3.0)', 0.0, 6.0)} / 6.0)"),
+    "tanh": OpSpec(1, torch.tanh, _tanh_tl),
+    # inference batch norm over per-channel mean, var, weight, bias; params: eps
+    "bn": OpSpec(5, lambda x, m, v, w, b, eps: (x - m) * torch.rsqrt(v + eps) * w + b,
+                 lambda x, m, v, w, b, eps: f"(({x} - {m}) * tl.rsqrt({v} + {eps!r}) * {w} + {b})"),
+}
+BINARY = frozenset(n for n, s in OPS.items() if s.arity == 2)
+
+
+# ---- structure --------------------------------------------------------------------------------------------
+def contains_acc(node: Node) -> bool:
+    return node == ACC or (isinstance(node, Op) and any(contains_acc(a) for a in node.args))
+
+
+def operands(node: Node) -> list[Operand]:
+    """The tree's operands in slot order (each slot once)."""
+    found: dict[int, Operand] = {}
+
+    def walk(n):
+        if isinstance(n, Operand):
+            found[n.slot] = n
+        elif isinstance(n, Op):
+            for a in n.args:
+                walk(a)
+
+    walk(node)
+    return [found[s] for s in sorted(found)]
+
+
+def label(op: Op) -> str:
+    """The name a user sees for one epilogue step."""
+    if op.name == "add" and any(isinstance(a, Operand) and a.kind == "c" for a in op.args):
+        return "bias"
+    if op.name == "clamp":
+        return "relu6" if tuple(op.params) == (0.0, 6.0) else "clamp"
+    return {"gelu_tanh": "gelu"}.get(op.name, op.name)
+
+
+def pattern_ops(node: Node) -> list[str]:
+    """Labels along the path from the accumulator to the root, innermost first."""
+    if not isinstance(node, Op):
+        return []
+    inner = next(a for a in node.args if contains_acc(a))
+    return pattern_ops(inner) + [label(node)]
+
+
+def full_adds(node: Node) -> int:
+    """How many same-shape tensor adds the tree holds (FuseAddToOutput allows one per producer)."""
+    if not isinstance(node, Op):
+        return 0
+    own = node.name == "add" and any(isinstance(a, Operand) and a.kind == "full" for a in node.args)
+    return int(own) + sum(full_adds(a) for a in node.args)
+
+
+# ---- signature round trip ---------------------------------------------------------------------------------
+_TOKEN = re.compile(r"\s*(?:(?P<num>#[^,()\]]+)|(?P<name>[a-z_]+\d*)|(?P<punct>[\[\](),]))")
+
+
+@functools.lru_cache(maxsize=None)
+def parse(signature: str) -> Node:
+    """Inverse of str(tree)."""
+    tokens = [m.group(m.lastgroup) for m in _TOKEN.finditer(signature)]
+    pos = 0
+
+    def take():
+        nonlocal pos
+        pos += 1
+        return tokens[pos - 1]
+
+    def node():
+        tok = take()
+        if tok.startswith("#"):
+            return Const(float(tok[1:]))
+        if tok == "acc":
+            return ACC
+        leaf = re.fullmatch(r"(c|nc|full)(\d+)", tok)
+        if leaf:
+            return Operand(int(leaf.group(2)), leaf.group(1))
+        params = []
+        if tokens[pos] == "[":
+            take()
+            while tokens[pos] != "]":
+                params.append(float(take()[1:]))
+                if tokens[pos] == ",":
+                    take()
+            take()
+        assert take() == "(", signature
+        args = [node()]
+        while take() == ",":
+            args.append(node())
+        if tok not in OPS or len(args) != OPS[tok].arity:
+            raise ValueError(f"bad epilogue signature {signature!r} at {tok!r}")
+        return Op(tok, tuple(args), tuple(params))
+
+    tree = node()
+    if pos != len(tokens):
+        raise ValueError(f"trailing tokens in epilogue signature {signature!r}")
+    return tree
+
+
+# ---- the [samples, rows, channels] view ------------------------------------------------------------------
+def rows3(t: torch.Tensor, out_shape, channel_dim: int) -> torch.Tensor:
+    """View `t` (broadcastable to out_shape) as [S, P, C]; broadcast dims get stride 0."""
+    t = t.expand(out_shape).movedim(channel_dim, -1)
+    if t.dim() == 2:
+        return t.unsqueeze(0)
+    return t.reshape(t.shape[0], -1, t.shape[-1])
+
+
+def operand_kind(t3: torch.Tensor) -> str:
+    s_n, s_p, _ = t3.stride()
+    if s_p == 0 or t3.shape[1] == 1:
+        return "c" if (s_n == 0 or t3.shape[0] == 1) else "nc"
+    return "full"
+
+
+def reference(tree: Node, acc3: torch.Tensor, ops3: list[torch.Tensor]) -> torch.Tensor:
+    """Evaluate the tree on an [S, P, C] accumulator, in acc3's dtype."""
+    def ev(n):
+        if n == ACC:
+            return acc3
+        if isinstance(n, Operand):
+            return ops3[n.slot].to(acc3.dtype)
+        if isinstance(n, Const):
+            return torch.tensor(n.value, dtype=acc3.dtype)
+        return OPS[n.name].ref(*[ev(a) for a in n.args], *n.params)
+
+    return ev(tree).expand_as(acc3)
+
+
+# ---- Triton source -----------------------------------------------------------------------------------------
+def triton_params(tree: Node) -> list[str]:
+    """Kernel parameters for the operands: a pointer and [S, P, C] strides each."""
+    return [f"{p}{o.slot}" for o in operands(tree) for p in ("op", "op_sn", "op_sp", "op_sc")]
+
+
+def triton_body(tree: Node, out: str = "y") -> str:
+    """Source that loads the operands and assigns the epilogue value to `out`.
+
+    It expects in scope: `acc` [BM, BC] fp32, `offs_c` [BC], `mask_c` [BC], `s_idx` and `p_idx` [BM] (the
+    sample and row of each output row), and `mask` [BM, BC].
+    """
+    lines = []
+    for o in operands(tree):
+        i = o.slot
+        if o.kind == "c":
+            lines.append(f"v{i} = tl.load(op{i} + offs_c * op_sc{i}, mask=mask_c, other=0.0).to(tl.float32)[None, :]")
+        else:
+            rows = f"s_idx[:, None] * op_sn{i}" + (f" + p_idx[:, None] * op_sp{i}" if o.kind == "full" else "")
+            lines.append(f"v{i} = tl.load(op{i} + {rows} + offs_c[None, :] * op_sc{i}, mask=mask, other=0.0)"
+                         ".to(tl.float32)")
+    names: dict[Node, str] = {}
+
+    def ev(n):
+        if n == ACC:
+            return "acc"
+        if isinstance(n, Operand):
+            return f"v{n.slot}"
+        if isinstance(n, Const):
+            return repr(n.value)
+        if n not in names:
+            expr = OPS[n.name].tl(*[ev(a) for a in n.args], *n.params)
+            names[n] = f"t{len(names)}"
+            lines.append(f"{names[n]} = {expr}")
+        return names[n]
+
+    lines.append(f"{out} = {ev(tree)}")
+    return "\n".join(lines)

@@ -1,0 +1,51 @@
+"""Triton kernels for the fused ops; the CUDA (or interpreted CPU) path of resfuse::conv2d / resfuse::gemm.
+
+Entry points, called by ops/fused.py:
+  available(device)                                  can a kernel run on this device now?
+  conv2d(x, w, operands, signature, stride, padding, dilation, out) -> out
+  gemm(a, b, operands, signature, out) -> out
+  set_options(interpret=..., cache_dir=..., split_k=...)   process-wide, set by resfuse.compile
+
+Triton decides at decoration time whether a kernel is compiled or interpreted, so the interpreter switch is
+process-wide and must be set before the first kernel is built.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+_OPTIONS = {"interpret": False, "cache_dir": None, "split_k": None}
+
+
+def set_options(**options) -> None:
+    unknown = set(options) - set(_OPTIONS)
+    if unknown:
+        raise TypeError(f"unknown kernel option(s): {sorted(unknown)}")
+    _OPTIONS.update(options)
+
+
+def options() -> dict:
+    return dict(_OPTIONS)
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def available(device: torch.device) -> bool:
+    if not triton_installed():
+        return False
+    if device.type == "cuda":
+        return not _OPTIONS["interpret"]
+    return device.type == "cpu" and _OPTIONS["interpret"]
+
+
+def conv2d(x, w, operands, signature, stride, padding, dilation, out):
+    from .launch import conv2d as run
+    return run(x, w, operands, signature, stride, padding, dilation, out)
+
+
+def gemm(a, b, operands, signature, out):
+    from .launch import gemm as run
+    return run(a, b, operands, signature, out)

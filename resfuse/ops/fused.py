@@ -1,0 +1,101 @@
+"""The fused ops, as torch.library custom ops: resfuse::conv2d and resfuse::gemm.
+
+The rewrite pass puts calls to these into the graph. Each takes its anchor's inputs, the epilogue's tensor
+operands (in slot order), the epilogue signature (epilogue.py) and a provider name. They have fake
+implementations, so a rewritten graph can be re-traced, exported and CUDA-graphed.
+
+Paths, recorded in PATHS so that the report can say which one ran:
+  "reference"  the unfused ATen computation followed by the epilogue tree in torch (CPU, and the fallback);
+  "triton"     our Triton kernel (CUDA, or CPU under the interpreter when kernels.interpret is on).
+"""
+from __future__ import annotations
+
+import collections
+from typing import Sequence
+
+import torch
+
+from .. import epilogue as epi
+
+PATHS: collections.Counter = collections.Counter()  # (op, signature, path) -> calls
+
+
+def conv_out_format(x: torch.Tensor, w: torch.Tensor) -> torch.memory_format:
+    """The layout our conv writes; the rewrite pass checks that it is the one ATen chose in the trace."""
+    def cl(t):
+        return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+    return torch.channels_last if cl(x) or cl(w) else torch.contiguous_format
+
+
+def conv_out_shape(x, w, stride, padding, dilation) -> list[int]:
+    n, _, h, wd = x.shape
+    k, _, r, s = w.shape
+    oh = (h + 2 * padding[0] - dilation[0] * (r - 1) - 1) // stride[0] + 1
+    ow = (wd + 2 * padding[1] - dilation[1] * (s - 1) - 1) // stride[1] + 1
+    return [n, k, oh, ow]
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _finish(acc: torch.Tensor, out: torch.Tensor, operands, signature: str, channel_dim: int) -> torch.Tensor:
+    """Apply the epilogue to an ATen accumulator, in fp32 or wider, and write it into `out`."""
+    acc3 = epi.rows3(acc.to(_compute_dtype(acc.dtype)), acc.shape, channel_dim)
+    ops3 = [epi.rows3(t, acc.shape, channel_dim) for t in operands]
+    epi.rows3(out, out.shape, channel_dim).copy_(epi.reference(epi.parse(signature), acc3, ops3))
+    return out
+
+
+def _use_triton(device: torch.device, provider: str) -> bool:
+    if provider != "triton":
+        return False
+    from .. import kernels
+    return kernels.available(device)
+
+
+def _record(op: str, signature: str, path: str) -> None:
+    PATHS[(op, signature, path)] += 1
+
+
+@torch.library.custom_op("resfuse::conv2d", mutates_args=())
+def conv2d(x: torch.Tensor, weight: torch.Tensor, operands: Sequence[torch.Tensor], epilogue: str,
+           stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], provider: str) -> torch.Tensor:
+    out = torch.empty(conv_out_shape(x, weight, stride, padding, dilation), dtype=x.dtype, device=x.device)
+    out = out.contiguous(memory_format=conv_out_format(x, weight))
+    if _use_triton(x.device, provider):
+        from .. import kernels
+        _record("conv2d", epilogue, "triton")
+        return kernels.conv2d(x, weight, list(operands), epilogue, list(stride), list(padding), list(dilation), out)
+    _record("conv2d", epilogue, "reference")
+    acc = torch.ops.aten.convolution(x, weight, None, list(stride), list(padding), list(dilation), False, [0, 0], 1)
+    return _finish(acc, out, operands, epilogue, 1)
+
+
+@conv2d.register_fake
+def _(x, weight, operands, epilogue, stride, padding, dilation, provider):
+    out = x.new_empty(conv_out_shape(x, weight, stride, padding, dilation))
+    return out.contiguous(memory_format=conv_out_format(x, weight))
+
+
+def gemm_out_shape(a: torch.Tensor, b: torch.Tensor) -> list[int]:
+    return [*a.shape[:-1], b.shape[-1]]
+
+
+@torch.library.custom_op("resfuse::gemm", mutates_args=())
+def gemm(a: torch.Tensor, b: torch.Tensor, operands: Sequence[torch.Tensor], epilogue: str,
+         provider: str) -> torch.Tensor:
+    """[M, K] @ [K, N] or [B, M, K] @ [B, K, N], then the epilogue; the output is contiguous."""
+    out = torch.empty(gemm_out_shape(a, b), dtype=a.dtype, device=a.device)
+    if _use_triton(a.device, provider):
+        from .. import kernels
+        _record("gemm", epilogue, "triton")
+        return kernels.gemm(a, b, list(operands), epilogue, out)
+    _record("gemm", epilogue, "reference")
+    acc = torch.matmul(a, b)
+    return _finish(acc, out, operands, epilogue, -1)
+
+
+@gemm.register_fake
+def _(a, b, operands, epilogue, provider):
+    return a.new_empty(gemm_out_shape(a, b))
