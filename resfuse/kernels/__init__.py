@@ -12,6 +12,8 @@ process-wide and must be set before the first kernel is built.
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 
 import torch
 
@@ -22,7 +24,24 @@ def set_options(**options) -> None:
     unknown = set(options) - set(_OPTIONS)
     if unknown:
         raise TypeError(f"unknown kernel option(s): {sorted(unknown)}")
+    if "interpret" in options:
+        _set_interpret(bool(options["interpret"]))
     _OPTIONS.update(options)
+
+
+def _set_interpret(on: bool) -> None:
+    """Point Triton's decoration-time switch at `on`; refuse once kernels were built the other way."""
+    built = sys.modules.get(__name__ + ".tiles")
+    if built is not None and _OPTIONS["interpret"] != on:
+        raise RuntimeError("resfuse kernels were already built with interpret="
+                           f"{_OPTIONS['interpret']}; set kernels.set_options(interpret=...) before the first launch")
+    if not triton_installed():
+        return
+    import triton
+    knobs = getattr(triton, "knobs", None)  # triton >= 3.4; older releases read TRITON_INTERPRET at decoration
+    if knobs is not None:
+        knobs.runtime.interpret = on
+    os.environ["TRITON_INTERPRET"] = "1" if on else "0"
 
 
 def options() -> dict:

@@ -78,24 +78,24 @@ def _(x, weight, operands, epilogue, stride, padding, dilation, provider):
     return out.contiguous(memory_format=conv_out_format(x, weight))
 
 
-def gemm_out_shape(a: torch.Tensor, b: torch.Tensor) -> list[int]:
-    return [*a.shape[:-1], b.shape[-1]]
-
-
 @torch.library.custom_op("resfuse::gemm", mutates_args=())
 def gemm(a: torch.Tensor, b: torch.Tensor, operands: Sequence[torch.Tensor], epilogue: str,
-         provider: str) -> torch.Tensor:
-    """[M, K] @ [K, N] or [B, M, K] @ [B, K, N], then the epilogue; the output is contiguous."""
-    out = torch.empty(gemm_out_shape(a, b), dtype=a.dtype, device=a.device)
+         out_shape: Sequence[int], provider: str) -> torch.Tensor:
+    """[M, K] @ [K, N] or [B, M, K] @ [B, K, N], then the epilogue, into a contiguous tensor of out_shape.
+
+    out_shape is the product's shape, or a view of it that keeps the last dim (the [M, N] -> [B, S, N] of a
+    linear layer): the epilogue's operands then broadcast against out_shape.
+    """
+    out = torch.empty(out_shape, dtype=a.dtype, device=a.device)
     if _use_triton(a.device, provider):
         from .. import kernels
         _record("gemm", epilogue, "triton")
         return kernels.gemm(a, b, list(operands), epilogue, out)
     _record("gemm", epilogue, "reference")
-    acc = torch.matmul(a, b)
+    acc = torch.matmul(a, b).view(out_shape)
     return _finish(acc, out, operands, epilogue, -1)
 
 
 @gemm.register_fake
-def _(a, b, operands, epilogue, provider):
-    return a.new_empty(gemm_out_shape(a, b))
+def _(a, b, operands, epilogue, out_shape, provider):
+    return a.new_empty(out_shape)

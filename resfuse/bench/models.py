@@ -1,0 +1,214 @@
+"""The benchmark's model zoo: a name in, an eval-mode model and its example inputs out.
+
+Entry point: `load(name, batch, dtype, device, channels_last=True, image_size=224, seq=384)`, called by
+`resfuse bench` (run.py) and by the CLI's `resfuse explain`. This is the first step of a benchmark run;
+nothing here knows about resfuse itself.
+
+Names (see `names()`):
+- torchvision (weights=None): resnet50, resnet18, resnext50_32x4d, wide_resnet50_2, mobilenet_v3_large,
+  efficientnet_b0.
+- timm (pretrained=False): convnext_tiny, regnety_040.
+- Hugging Face transformers, built from a default config with random weights; nothing is downloaded:
+  hf-resnet50 (ResNetConfig), hf-convnext-tiny (ConvNextConfig, whose default is the tiny model),
+  hf-bert-base (BertConfig; input_ids [batch, seq]), hf-vit-base (ViTConfig).
+- "path/to/file.py:factory": factory() returns a module, or (module, inputs). It may take any of the
+  keyword arguments batch, image_size, seq, dtype, device; those it names are passed.
+
+"resnet50" is the default model. It means torchvision's resnet50 when torchvision imports (the model the
+field benchmarks, and the one the GPU numbers in design.md were taken on), else HF's ResNet-50 — the same
+architecture (bottleneck blocks 3-4-6-3, 25.6 M parameters) — so that the CPU CI machine, which has
+transformers but no torchvision, still runs the default. `resolve(name)` says which one a name means;
+run.py records it in the JSON so the two are never confused.
+
+Weights are random (seeded), so outputs are meaningless but deterministic; the numerics check compares
+each compiled peer against eager on the same weights. HF models are wrapped to return one tensor (logits
+or last_hidden_state) rather than a ModelOutput, so every peer's output compares the same way.
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+TORCHVISION = ("resnet50", "resnet18", "resnext50_32x4d", "wide_resnet50_2", "mobilenet_v3_large",
+               "efficientnet_b0")
+TIMM = ("convnext_tiny", "regnety_040")
+HF = ("hf-resnet50", "hf-convnext-tiny", "hf-bert-base", "hf-vit-base")
+TEXT_MODELS = ("hf-bert-base",)  # inputs are token ids [batch, seq], not images
+SEED = 0
+
+
+class UnknownModel(ValueError):
+    """A name that is neither a zoo entry nor a file.py:factory."""
+
+
+class MissingPackage(RuntimeError):
+    """The name is valid but the package that provides it is not installed here."""
+
+
+def names() -> list[str]:
+    return [*TORCHVISION, *TIMM, *HF]
+
+
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def resolve(name: str) -> str:
+    """The concrete source a name loads from, e.g. "torchvision:resnet50" or "hf-resnet50"."""
+    if _is_factory(name):
+        return f"file:{name}"
+    if name == "resnet50" and not _importable("torchvision"):
+        return "hf-resnet50"
+    if name in TORCHVISION:
+        return f"torchvision:{name}"
+    if name in TIMM:
+        return f"timm:{name}"
+    if name in HF:
+        return name
+    raise UnknownModel(f"unknown model {name!r}; valid names: {', '.join(names())}, "
+                       "or path/to/file.py:factory")
+
+
+def is_text(name: str) -> bool:
+    return resolve(name) in TEXT_MODELS
+
+
+def load(name: str, batch: int, dtype: torch.dtype, device: str | torch.device, channels_last: bool = True,
+         image_size: int = 224, seq: int = 384) -> tuple[nn.Module, tuple]:
+    """Build `name` in eval mode on `device` in `dtype`, with example inputs for a batch of `batch`.
+
+    Floating-point inputs are random normal (never zeros: zeros can run faster than real data); token
+    ids are random in the vocabulary. channels_last applies to the model and to 4-D inputs.
+    """
+    source = resolve(name)
+    torch.manual_seed(SEED)
+    if source.startswith("file:"):
+        model, inputs = _from_factory(name, batch=batch, image_size=image_size, seq=seq, dtype=dtype,
+                                      device=device)
+    else:
+        model = _BUILDERS[source.split(":")[0]](source.split(":")[-1])
+        if source in TEXT_MODELS:
+            inputs = (_token_ids(model, batch, seq),)
+        else:
+            inputs = (torch.randn(batch, 3, image_size, image_size),)
+    model = model.eval().to(device=device, dtype=dtype)
+    inputs = tuple(_place(x, dtype, device, channels_last) for x in inputs)
+    if channels_last and any(isinstance(x, torch.Tensor) and x.dim() == 4 for x in inputs):
+        model = model.to(memory_format=torch.channels_last)
+    return model, inputs
+
+
+def _place(x, dtype, device, channels_last):
+    if not isinstance(x, torch.Tensor):
+        return x
+    x = x.to(device=device, dtype=dtype if x.is_floating_point() else x.dtype)
+    if channels_last and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x
+
+
+def _require(module: str, name: str) -> None:
+    if not _importable(module):
+        raise MissingPackage(f"model {name!r} needs the {module} package, which is not installed here "
+                             f"(pip install {module}); the hf-* models need only transformers")
+
+
+def _torchvision(name: str) -> nn.Module:
+    _require("torchvision", name)
+    import torchvision.models
+
+    return getattr(torchvision.models, name)(weights=None)
+
+
+def _timm(name: str) -> nn.Module:
+    _require("timm", name)
+    import timm
+
+    return timm.create_model(name, pretrained=False)
+
+
+class _FirstOutput(nn.Module):
+    """Return the HF model's main tensor (`field`) so peers compare one tensor, not a ModelOutput."""
+
+    def __init__(self, model: nn.Module, field: str):
+        super().__init__()
+        self.model, self.field = model, field
+
+    def forward(self, *args):
+        return getattr(self.model(*args), self.field)
+
+
+def _hf(name: str) -> nn.Module:
+    _require("transformers", name)
+    import transformers as tf
+
+    # Default configs are the base sizes: ResNet-50, ConvNeXt-tiny, BERT-base, ViT-base/16. The
+    # classifiers get ImageNet's 1000 labels (the config default is 2) to match torchvision/timm.
+    if name == "hf-resnet50":
+        return _FirstOutput(tf.ResNetForImageClassification(tf.ResNetConfig(num_labels=1000)), "logits")
+    if name == "hf-convnext-tiny":
+        return _FirstOutput(tf.ConvNextForImageClassification(tf.ConvNextConfig(num_labels=1000)), "logits")
+    if name == "hf-bert-base":
+        return _FirstOutput(tf.BertModel(tf.BertConfig()), "last_hidden_state")
+    if name == "hf-vit-base":
+        # ViT's default 224 image size fixes its position embeddings; interpolate for other sizes.
+        return _ViT(tf.ViTModel(tf.ViTConfig(), add_pooling_layer=False))
+    raise AssertionError(name)
+
+
+class _ViT(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values):
+        size = self.model.config.image_size
+        interpolate = pixel_values.shape[-1] != size or pixel_values.shape[-2] != size
+        return self.model(pixel_values, interpolate_pos_encoding=interpolate).last_hidden_state
+
+
+def _token_ids(model: nn.Module, batch: int, seq: int) -> torch.Tensor:
+    config = model.model.config
+    if seq > config.max_position_embeddings:
+        raise ValueError(f"seq {seq} exceeds the model's max_position_embeddings "
+                         f"{config.max_position_embeddings}")
+    return torch.randint(0, config.vocab_size, (batch, seq))
+
+
+_BUILDERS: dict[str, Callable[[str], nn.Module]] = {
+    "torchvision": _torchvision, "timm": _timm, **{n: _hf for n in HF}}
+
+
+def _is_factory(name: str) -> bool:
+    path, sep, attr = name.rpartition(":")
+    return bool(sep) and path.endswith(".py") and attr.isidentifier()
+
+
+def _from_factory(name: str, **available) -> tuple[nn.Module, tuple]:
+    path, _, attr = name.rpartition(":")
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"model file {path!r} not found (from {name!r})")
+    spec = importlib.util.spec_from_file_location(f"resfuse_bench_user_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise AttributeError(f"{path} has no callable {attr!r}")
+    params = inspect.signature(factory).parameters
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs = {k: v for k, v in available.items() if takes_all or k in params}
+    made = factory(**kwargs)
+    if isinstance(made, nn.Module):
+        # A bare module gets an image batch, the common case for a residual CNN.
+        size = available["image_size"]
+        return made, (torch.randn(available["batch"], 3, size, size),)
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
+        model, inputs = made
+        return model, inputs if isinstance(inputs, tuple) else (inputs,)
+    raise TypeError(f"{name}: factory must return a module or (module, inputs), got {type(made).__name__}")

@@ -1,0 +1,151 @@
+"""How one peer is measured: first-call time, steady-state latency, numerics against eager, top kernels.
+
+Entry points (all called by run.py for each peer, in this order): `input_sets`, `first_call`,
+`output_error`, `latency`, and with --profile `top_kernels`.
+
+Latency on CUDA is timed with CUDA events around each call, after a warm-up, as the median of many calls;
+the inputs rotate among several preallocated sets so that no call finds its input already in L2 from the
+call before. On CPU the host clock (time.perf_counter) times each call; run.py prints that CPU numbers
+say nothing about speed on a GPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Callable
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+
+@dataclasses.dataclass
+class Latency:
+    median_ms: float
+    min_ms: float
+    p90_ms: float
+    iters: int
+    method: str  # "cuda-events" or "perf_counter"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def input_sets(inputs: tuple, count: int = 4) -> list[tuple]:
+    """`inputs` plus count-1 fresh sets of the same shapes, dtypes, layouts (never zeros); the first set is
+    the original, so the numerics check sees the inputs the floor was traced with."""
+    sets = [inputs]
+    for _ in range(count - 1):
+        sets.append(tuple(_fresh(x) for x in inputs))
+    return sets
+
+
+def _fresh(x):
+    if not isinstance(x, torch.Tensor):
+        return x
+    if x.is_floating_point():
+        return torch.randn_like(x)  # randn_like keeps x's strides, so channels_last stays channels_last
+    if x.dtype == torch.bool:
+        return x.clone()
+    return torch.randint_like(x, 0, int(x.max()) + 1)  # token ids stay inside the vocabulary seen
+
+
+def _detached_outputs(out) -> list[torch.Tensor]:
+    # Cloned at once: a CUDA-graph peer overwrites its output buffers on the next replay.
+    return [t.detach().clone() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def first_call(fn: Callable, inputs: tuple, device: torch.device) -> tuple[float, list[torch.Tensor]]:
+    """Wall seconds of the first call (compilation and tuning included) and its outputs."""
+    _sync(device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = fn(*inputs)
+    _sync(device)
+    return time.perf_counter() - t0, _detached_outputs(out)
+
+
+def run_once(fn: Callable, inputs: tuple) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return _detached_outputs(fn(*inputs))
+
+
+def output_error(outs: list[torch.Tensor], refs: list[torch.Tensor]) -> tuple[float, float]:
+    """(max over outputs of ||out - ref|| / ||ref||, max |out - ref|), computed in float64.
+
+    A shape mismatch or a non-finite value gives inf: it must never read as a small error."""
+    if len(outs) != len(refs):
+        return float("inf"), float("inf")
+    rel, absolute = 0.0, 0.0
+    for out, ref in zip(outs, refs):
+        if out.shape != ref.shape:
+            return float("inf"), float("inf")
+        if not ref.is_floating_point():
+            continue
+        diff = out.double() - ref.double()
+        if not torch.isfinite(diff).all():
+            return float("inf"), float("inf")
+        rel = max(rel, (diff.norm() / ref.double().norm().clamp_min(1e-30)).item())
+        absolute = max(absolute, diff.abs().max().item() if diff.numel() else 0.0)
+    return rel, absolute
+
+
+def latency(fn: Callable, sets: list[tuple], device: torch.device, iters: int,
+            warmup: int | None = None) -> Latency:
+    warmup = max(3, iters // 10) if warmup is None else warmup
+    with torch.no_grad():
+        for i in range(warmup):
+            fn(*sets[i % len(sets)])
+        _sync(device)
+        if device.type == "cuda":
+            times = _cuda_event_times(fn, sets, iters)
+            method = "cuda-events"
+        else:
+            times = []
+            for i in range(iters):
+                t0 = time.perf_counter()
+                fn(*sets[i % len(sets)])
+                times.append((time.perf_counter() - t0) * 1e3)
+            method = "perf_counter"
+    ordered = sorted(times)
+    return Latency(statistics.median(times), ordered[0], ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+                   iters, method)
+
+
+def _cuda_event_times(fn: Callable, sets: list[tuple], iters: int) -> list[float]:
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        starts[i].record()
+        fn(*sets[i % len(sets)])
+        ends[i].record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def top_kernels(fn: Callable, sets: list[tuple], device: torch.device, iters: int = 5,
+                top: int = 10) -> list[dict]:
+    """The `top` kernels (CUDA) or ATen ops (CPU) by self time under torch.profiler, per iteration."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch.no_grad(), profile(activities=activities) as prof:
+        for i in range(iters):
+            fn(*sets[i % len(sets)])
+        _sync(device)
+    rows = []
+    for evt in prof.key_averages():
+        if cuda and evt.device_type != DeviceType.CUDA:
+            continue
+        us = evt.self_device_time_total if cuda else evt.self_cpu_time_total
+        if us > 0:
+            rows.append({"name": evt.key, "time_us": us / iters, "calls": evt.count // iters})
+    rows.sort(key=lambda r: r["time_us"], reverse=True)
+    total = sum(r["time_us"] for r in rows) or 1.0
+    for r in rows:
+        r["share"] = r["time_us"] / total
+    return rows[:top]

@@ -1,0 +1,1 @@
+"""Capture: dynamo + aot_autograd give ATen FX graphs (inference, or training forward and backward)."""

@@ -1,0 +1,60 @@
+"""The torch.compile backend "resfuse" (registered through the torch_dynamo_backends entry point).
+
+Entry point: `resfuse_backend(gm, example_inputs, **options)`. Dynamo hands us a torch-level graph;
+aot_autograd lowers it to ATen graphs and calls `compile_graph` on each: the inference graph in eval / no-grad
+mode, or the forward and backward graphs in training. `compile_graph` is the whole pipeline on one screen.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+
+import torch
+import torch.fx as fx
+from torch._dynamo.backends.common import aot_autograd
+
+from .. import kernels
+from ..config import Config
+from ..passes import PassContext, run_passes
+from ..passes.report import Report
+
+# Graph kinds the passes rewrite today; training graphs flow through untouched until the training issue lands.
+REWRITTEN = ("inference",)
+
+
+def compile_graph(gm: fx.GraphModule, example_inputs, *, config: Config, graph: str, report: Report,
+                  run_graph: bool = True):
+    """capture (done by aot_autograd) -> passes -> rewritten graph, whose fused ops pick their kernels.
+
+    With run_graph=False (explain) the report is made but the captured ATen graph runs instead.
+    """
+    original = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    if graph not in REWRITTEN:
+        report.graphs.append(graph)
+        return gm
+    try:
+        gm = run_passes(gm, PassContext(config, graph, report))
+    except Exception as e:  # never crash the user's model: fall back to the captured graph, and say why
+        report.errors.append(f"{graph} graph: passes failed, running it unfused: {type(e).__name__}: {e}")
+        warnings.warn(f"resfuse: {report.errors[-1]}")
+        return original
+    return gm if run_graph else original
+
+
+def make_backend(config: Config, report: Report, run_graph: bool = True):
+    kernels.set_options(interpret=config.interpret, cache_dir=config.cache_dir, split_k=config.split_k)
+    step = functools.partial(compile_graph, config=config, report=report, run_graph=run_graph)
+    return aot_autograd(fw_compiler=functools.partial(step, graph="forward"),
+                        bw_compiler=functools.partial(step, graph="backward"),
+                        inference_compiler=functools.partial(step, graph="inference"),
+                        keep_inference_input_mutations=True)
+
+
+def resfuse_backend(gm: torch.fx.GraphModule, example_inputs, **options):
+    """torch.compile(model, backend="resfuse", options={...}); the report is kept on resfuse.last_report."""
+    from .. import _set_last_report
+
+    report = Report()
+    _set_last_report(report)
+    return make_backend(Config.from_env(**options), report)(gm, example_inputs)

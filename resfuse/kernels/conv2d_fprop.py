@@ -1,0 +1,148 @@
+"""Conv2d forward family: implicit-GEMM Triton mainloop, its config space and its heuristic default.
+
+Entry points: `conv2d_fprop_mainloop` (@triton.jit, called by the generated kernels, see codegen.py),
+`FAMILY`, `ConvConfig` (the typed tuning space) and `default_config(problem)`.
+
+The GEMM view: rows are output pixels (n, oh, ow), columns are output channels k, the reduction runs over
+(r, s, c) with c innermost. So an input tile is BM pixels x BK channels, contiguous in channels_last, and a
+weight tile is BK channels x BN filters read in K-R-S-C order, which is the physical order of channels_last
+weights: no copy or repack is made for any layout, only the strides differ. groups=1 only.
+When C is tiny (the RGB stem) a channel block would be mostly padding, so FLAT runs one reduction index over
+all of (r, s, c) instead, gathering the input per element.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import triton
+import triton.language as tl
+
+from .codegen import Family
+from .matmul import split_k_heuristic
+from .tiles import k_range, swizzle_tile
+
+
+@triton.jit
+def conv2d_fprop_mainloop(x, w, NB, H, W, C, KO, OH, OW, R, S,
+                          s_xn, s_xc, s_xh, s_xw, s_wk, s_wc, s_wr, s_ws, s_on, s_oh, s_ow,
+                          stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                          SPLIT_K: tl.constexpr, FLAT: tl.constexpr, PRECISION: tl.constexpr):
+    """One program's fp32 partial over its split of (r, s, c), plus the indices the epilogue needs."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(2)
+    M = NB * OH * OW
+    tile_m, tile_n = swizzle_tile(pid, tl.cdiv(M, BM), tl.cdiv(KO, BN), GROUP_M)
+    offs_m = tile_m * BM + tl.arange(0, BM)
+    offs_n = tile_n * BN + tl.arange(0, BN)
+    # Edge rows/filters wrap onto valid ones so their loads stay in bounds; they are masked at the store.
+    rows = offs_m % M
+    cols = offs_n % KO
+    n_i = rows // (OH * OW)
+    p_i = rows % (OH * OW)
+    oh = p_i // OW
+    ow = p_i % OW
+    ih0 = oh * stride_h - pad_h
+    iw0 = ow * stride_w - pad_w
+    x_rows = x + n_i * s_xn
+    w_cols = w + cols * s_wk
+    offs_k = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if FLAT:
+        red = R * S * C
+        lo, hi = k_range(pid_k, tl.cdiv(red, BK), SPLIT_K)
+        for kb in range(lo, hi):
+            kk = kb * BK + offs_k
+            k_ok = kk < red
+            c = kk % C
+            r = kk // C // S
+            s = kk // C % S
+            ih = ih0[:, None] + (r * dil_h)[None, :]
+            iw = iw0[:, None] + (s * dil_w)[None, :]
+            ok = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W) & k_ok[None, :]
+            x_t = tl.load(x_rows[:, None] + ih * s_xh + iw * s_xw + c[None, :] * s_xc, mask=ok, other=0.0)
+            w_t = tl.load(w_cols[None, :] + (r * s_wr + s * s_ws + c * s_wc)[:, None], mask=k_ok[:, None], other=0.0)
+            acc = tl.dot(x_t, w_t, acc, input_precision=PRECISION)
+    else:
+        c_blocks = tl.cdiv(C, BK)
+        lo, hi = k_range(pid_k, R * S * c_blocks, SPLIT_K)
+        for t in range(lo, hi):
+            rs = t // c_blocks
+            cc = (t - rs * c_blocks) * BK + offs_k
+            c_ok = cc < C
+            r = rs // S
+            s = rs % S
+            ih = ih0 + r * dil_h
+            iw = iw0 + s * dil_w
+            ok = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            x_t = tl.load((x_rows + ih * s_xh + iw * s_xw)[:, None] + cc[None, :] * s_xc,
+                          mask=ok[:, None] & c_ok[None, :], other=0.0)
+            w_t = tl.load(w_cols[None, :] + (r * s_wr + s * s_ws) + cc[:, None] * s_wc, mask=c_ok[:, None], other=0.0)
+            acc = tl.dot(x_t, w_t, acc, input_precision=PRECISION)
+    out_rows = n_i * s_on + oh * s_oh + ow * s_ow
+    return acc, pid, pid_k, n_i, p_i, offs_m < M, out_rows, offs_n
+
+
+FAMILY = Family(
+    name="conv2d_fprop", module=__name__, mainloop="conv2d_fprop_mainloop",
+    args=("x", "w", "NB", "H", "W", "C", "KO", "OH", "OW", "R", "S",
+          "s_xn", "s_xc", "s_xh", "s_xw", "s_wk", "s_wc", "s_wr", "s_ws", "s_on", "s_oh", "s_ow",
+          "stride_h", "stride_w", "pad_h", "pad_w", "dil_h", "dil_w"),
+    constexprs=("BM", "BN", "BK", "GROUP_M", "SPLIT_K", "FLAT", "PRECISION"),
+    n_cols="KO", s_out_c="s_ok",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvProblem:
+    n: int
+    c: int
+    k: int
+    r: int
+    s: int
+    oh: int
+    ow: int
+    dtype_bytes: int
+    sms: int  # streaming multiprocessors on the device (1 under the interpreter)
+
+    @property
+    def m(self) -> int:
+        return self.n * self.oh * self.ow
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvConfig:
+    """One point of the tuning space; `check` says whether it is legal for a problem."""
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    group_m: int = 8
+    split_k: int = 1
+    flat: bool = False
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def check(self, p: ConvProblem) -> bool:
+        smem = self.num_stages * (self.block_m + self.block_n) * self.block_k * p.dtype_bytes
+        return (min(self.block_m, self.block_n, self.block_k) >= 16 and self.split_k >= 1
+                and smem <= 220 * 1024 and self.num_warps in (2, 4, 8))
+
+
+SPACE = {  # the tuner (tuning/space.py) enumerates this product and keeps the configs that pass check()
+    "block_m": (32, 64, 128, 256), "block_n": (32, 64, 128, 256), "block_k": (16, 32, 64),
+    "group_m": (8,), "split_k": (1, 2, 4, 8), "flat": (False, True), "num_warps": (4, 8), "num_stages": (2, 3, 4),
+}
+
+
+def default_config(p: ConvProblem) -> ConvConfig:
+    small = p.m * p.k <= 64 * 64
+    bm = 32 if p.m <= 32 else 64 if (p.m <= 64 or small) else 128
+    bn = 32 if p.k <= 32 else 64 if (p.k <= 64 or small) else 128
+    flat = p.c < 16
+    bk = 16 if (p.c <= 16 and not flat) else 32 if (p.c <= 32 or p.dtype_bytes == 4 or flat) else 64
+    warps = 8 if bm * bn >= 128 * 128 else 4
+    stages = 3 if bm * bn >= 128 * 128 else 4
+    red_blocks = p.r * p.s * triton.cdiv(p.c, bk) if not flat else triton.cdiv(p.r * p.s * p.c, bk)
+    tiles = triton.cdiv(p.m, bm) * triton.cdiv(p.k, bn)
+    split = split_k_heuristic(tiles, red_blocks, p.sms)
+    return ConvConfig(bm, bn, bk, 8, split, flat, warps, stages)

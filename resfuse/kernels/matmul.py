@@ -1,0 +1,123 @@
+"""GEMM family: the Triton mainloop for [B,] M x K @ K x N, its config space and its heuristic default.
+
+(Named matmul.py, not gemm.py: a submodule `kernels.gemm` would replace the entry-point function of that name.)
+
+Entry points: `gemm_mainloop` (@triton.jit, called by the generated kernels, see codegen.py), `FAMILY` (what
+codegen needs to wrap it), `GemmConfig` (the typed tuning space) and `default_config(problem)`.
+A and B may have any strides (row or column major, batch stride 0 for a shared operand). fp32 operands use
+tf32 tensor-core products on the GPU (PRECISION="tf32", Triton's default; pass "ieee" for exact fp32); under
+the interpreter the product is exact fp32 either way.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import triton
+import triton.language as tl
+
+from .codegen import Family
+from .tiles import k_range, swizzle_tile
+
+
+@triton.jit
+def gemm_mainloop(a, b, M, N, K, s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_ob, s_om,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                  SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    """One program's fp32 partial product over its split of K, plus the indices the epilogue needs."""
+    pid = tl.program_id(0)
+    batch = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(N, BN)
+    tile_m, tile_n = swizzle_tile(pid, tiles_m, tiles_n, GROUP_M)
+    offs_m = tile_m * BM + tl.arange(0, BM)
+    offs_n = tile_n * BN + tl.arange(0, BN)
+    # Rows and columns past the edge wrap onto valid ones, so the A/B loads need no M/N mask; their results
+    # are masked at the store.
+    # (No contiguity hints on the wrapped indices: a wrap inside a vector would read past the edge.)
+    rows = offs_m % M
+    cols = offs_n % N
+    offs_k = tl.arange(0, BK)
+    lo, hi = k_range(pid_k, tl.cdiv(K, BK), SPLIT_K)
+    a_ptrs = a + batch * s_ab + rows[:, None] * s_am + (lo * BK + offs_k)[None, :] * s_ak
+    b_ptrs = b + batch * s_bb + (lo * BK + offs_k)[:, None] * s_bk + cols[None, :] * s_bn
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in range(lo, hi):
+        if EVEN_K:
+            a_t = tl.load(a_ptrs)
+            b_t = tl.load(b_ptrs)
+        else:
+            k_ok = kb * BK + offs_k < K
+            a_t = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b_t = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(a_t, b_t, acc, input_precision=PRECISION)
+        a_ptrs += BK * s_ak
+        b_ptrs += BK * s_bk
+    tile = batch * tiles_m * tiles_n + pid
+    s_idx = tl.zeros((BM,), dtype=tl.int32) + batch
+    out_rows = batch * s_ob + offs_m * s_om
+    return acc, tile, pid_k, s_idx, offs_m, offs_m < M, out_rows, offs_n
+
+
+FAMILY = Family(
+    name="gemm", module=__name__, mainloop="gemm_mainloop",
+    args=("a", "b", "M", "N", "K", "s_ab", "s_am", "s_ak", "s_bb", "s_bk", "s_bn", "s_ob", "s_om"),
+    constexprs=("BM", "BN", "BK", "GROUP_M", "SPLIT_K", "EVEN_K", "PRECISION"),
+    n_cols="N", s_out_c="s_on",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmProblem:
+    batch: int
+    m: int
+    n: int
+    k: int
+    dtype_bytes: int
+    sms: int  # streaming multiprocessors on the device (1 under the interpreter)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """One point of the tuning space; `check` says whether it is legal for a problem."""
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    group_m: int = 8
+    split_k: int = 1
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def check(self, p: GemmProblem) -> bool:
+        smem = self.num_stages * (self.block_m + self.block_n) * self.block_k * p.dtype_bytes
+        return (min(self.block_m, self.block_n, self.block_k) >= 16 and self.split_k >= 1
+                and smem <= 220 * 1024 and self.num_warps in (2, 4, 8))
+
+
+SPACE = {  # the tuner (tuning/space.py) enumerates this product and keeps the configs that pass check()
+    "block_m": (32, 64, 128, 256), "block_n": (32, 64, 128, 256), "block_k": (32, 64, 128),
+    "group_m": (8,), "split_k": (1, 2, 4, 8), "num_warps": (4, 8), "num_stages": (2, 3, 4, 5),
+}
+
+
+def split_k_heuristic(tiles: int, k_blocks: int, sms: int) -> int:
+    """Split the reduction when the output tiles fill under half the machine and the reduction is deep.
+
+    Shared by both families: each split keeps at least 4 reduction blocks so the fp32 partial traffic
+    (tiles x splits x BM x BN x 8 bytes) stays small next to the operand reads.
+    """
+    if sms <= 1 or tiles * 2 > sms or k_blocks < 8:
+        return 1
+    return max(1, min(sms // tiles, k_blocks // 4, 16))
+
+
+def default_config(p: GemmProblem) -> GemmConfig:
+    small = p.m * p.n * p.batch <= 64 * 64
+    bm = 32 if p.m <= 32 else 64 if (p.m <= 64 or small) else 128
+    bn = 32 if p.n <= 32 else 64 if (p.n <= 64 or small) else 128 if p.dtype_bytes == 4 else 256 if p.m >= 4096 and p.n >= 1024 else 128
+    bk = 16 if p.k <= 16 else 32 if (p.k <= 32 or p.dtype_bytes == 4) else 64
+    warps = 8 if bm * bn >= 128 * 128 else 4
+    stages = 3 if bm * bn >= 128 * 256 else 4
+    tiles = p.batch * triton.cdiv(p.m, bm) * triton.cdiv(p.n, bn)
+    split = split_k_heuristic(tiles, triton.cdiv(p.k, bk), p.sms)
+    return GemmConfig(bm, bn, bk, 8, split, warps, stages)

@@ -1,0 +1,57 @@
+"""Graph -> graph passes over an ATen FX graph, in order. Entry point: `run_passes(gm, ctx)`.
+
+Order matters: the epilogue pass runs first so that FuseAddToOutput finds fused producers to absorb adds
+into (and then lets the trailing activation follow the add in); the report reads the final graph.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch.fx as fx
+
+from ..config import Config
+from .add_to_output import add_to_output
+from .match_epilogue import match_epilogue
+from .report import Report
+
+
+@dataclasses.dataclass
+class PassContext:
+    config: Config
+    graph: str  # "inference", "forward" or "backward"
+    report: Report
+
+    @property
+    def provider(self) -> str:
+        return self.config.providers[0] if self.config.providers else "aten"
+
+    def reject(self, node: fx.Node, reason: str) -> None:
+        self.report.reject(self.graph, node, reason)
+
+
+def _epilogue(gm, ctx):
+    return match_epilogue(gm, ctx) if ctx.config.fuse_epilogue else gm
+
+
+def _collect(gm, ctx):
+    return ctx.report.collect(gm, ctx.graph)
+
+
+PASSES = [
+    ("match_epilogue", _epilogue),
+    ("add_to_output", add_to_output),  # after match_epilogue: it extends the fused ops that pass made
+    ("report", _collect),  # last: reads the final graph
+]
+
+
+def run_passes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    dump = Path(ctx.config.debug_dump) if ctx.config.debug_dump else None
+    if dump:
+        dump.mkdir(parents=True, exist_ok=True)
+        (dump / f"{ctx.graph}-00-captured.txt").write_text(gm.print_readable(print_output=False))
+    for i, (name, run) in enumerate(PASSES, 1):
+        gm = run(gm, ctx)
+        if dump:
+            (dump / f"{ctx.graph}-{i:02d}-{name}.txt").write_text(gm.print_readable(print_output=False))
+    return gm

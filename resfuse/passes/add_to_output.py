@@ -1,0 +1,87 @@
+"""FuseAddToOutput (OneFlow): a 2-input same-shape add is absorbed by the op producing one of its operands.
+
+Entry point: `add_to_output(gm, ctx)`, the second pass. Producers that can accumulate into their output: our
+fused conv/GEMM ops (the add joins the epilogue, the operand is read once in place of three passes over the
+tensor: 3N bytes unfused, N fused), bare conv/mm/bmm anchors, and, with epilogue fusion off, mm as
+addmm(beta=1). The rules (legality.py): the add is the producer's sole consumer, the producer has not
+already absorbed an add, the other operand does not depend on the producer, has the output's shape, dtype
+and strides, does not alias the producer's inputs, and nothing involved is mutated.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .. import epilogue as epi
+from . import legality
+from .group import FUSED, Group
+from .match_epilogue import ANCHORS, anchor_refusal, grow
+
+aten = torch.ops.aten
+
+
+def _refusal(producer, other: fx.Node, add: fx.Node) -> str | None:
+    if not isinstance(producer, fx.Node) or producer.op != "call_function":
+        return f"{getattr(producer, 'name', producer)} is not an op that can accumulate into its output"
+    if producer.target not in FUSED and producer.target not in ANCHORS:
+        return f"{producer.name} ({producer.target}) cannot accumulate into its output"
+    if producer.target in ANCHORS:
+        why = anchor_refusal(producer)
+        if why:
+            return why
+    tree = epi.parse(producer.args[3]) if producer.target in FUSED else None
+    return legality.first(
+        legality.sole_consumer(producer),
+        tree is not None and epi.full_adds(tree) and f"{producer.name} has already absorbed an add",
+        legality.same_layout(other, legality.val(producer)),
+        legality.no_cycle(other, producer),
+        legality.no_alias(other, producer.all_input_nodes),
+        legality.no_mutation(producer, other, add),
+    )
+
+
+def _absorb(producer: fx.Node, other: fx.Node, add: fx.Node, ctx) -> str | None:
+    if producer.target == aten.mm.default and not ctx.config.fuse_epilogue:
+        with add.graph.inserting_before(add):
+            new = add.graph.call_function(aten.addmm.default, (other, *producer.args[:2]))
+        new.meta = dict(add.meta)
+        add.replace_all_uses_with(new)
+        add.graph.erase_node(add)
+        add.graph.erase_node(producer)
+        return None
+    g = Group.from_fused(producer) if producer.target in FUSED else Group.from_anchor(producer, ctx.provider)
+    leaf = g.operand(other, "full")
+    g.absorb(add, epi.Op("add", (g.tree, leaf) if add.args[0] is producer else (leaf, g.tree)))
+    if ctx.config.fuse_epilogue:
+        grow(g, ctx)
+    emitted = g.emit()
+    return emitted if isinstance(emitted, str) else None
+
+
+def add_to_output(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for add in list(gm.graph.nodes):
+        if add.op != "call_function" or add.target != aten.add.Tensor:
+            continue
+        a, b = add.args[:2]
+        if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+            continue  # a scalar add is an epilogue step, not a 2-input add
+        if not ctx.config.fuse_add_to_output:
+            ctx.reject(add, "fuse_add_to_output is off")
+            continue
+        if add.kwargs.get("alpha", 1) != 1:
+            ctx.reject(add, f"add with alpha={add.kwargs['alpha']}")
+            continue
+        # try the later producer first: the other operand is then already computed where the fused op goes
+        sides = sorted([(a, b), (b, a)], key=lambda s: -order.get(s[0], -1))
+        reasons = []
+        for producer, other in sides:
+            why = _refusal(producer, other, add) or _absorb(producer, other, add, ctx)
+            if not why:
+                break
+            reasons.append(f"{producer.name}: {why}")
+        else:
+            ctx.reject(add, "; ".join(reasons))
+    gm.graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,135 @@
+"""The legality rules that both fusion passes share. Each rule returns None (legal) or the reason it refuses.
+
+Rules (shared/design.md): single consumer; no path from the producer to the other operand (no cycle); equal
+shape and dtype or a supported broadcast; no aliasing with the producer's inputs; at most one absorbed add
+per producer; no mutation or control dependency; static shapes and a supported dtype.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_RESIDUALS = 2  # tensor operands that are not per-channel vectors
+
+
+def val(node) -> torch.Tensor | None:
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def static_tensor(node: fx.Node) -> str | None:
+    v = val(node)
+    if v is None:
+        return f"{node.name} has no tensor metadata"
+    if any(not isinstance(d, int) for d in (*v.shape, *v.stride())):
+        return f"dynamic shape {tuple(v.shape)}"
+    return None
+
+
+def supported_dtype(node: fx.Node) -> str | None:
+    v = val(node)
+    if v is not None and v.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {v.dtype} not supported (fp16, bf16, fp32)"
+    return None
+
+
+def sole_consumer(node: fx.Node) -> str | None:
+    users = list(node.users)
+    if len(users) != 1:
+        return f"{node.name} has {len(users)} consumers ({', '.join(u.name for u in users)})"
+    return None
+
+
+def _mutates(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.is_mutable
+
+
+def no_mutation(*nodes: fx.Node) -> str | None:
+    """No node involved is mutated in place or ordered by a side effect (functionalised graphs keep these)."""
+    for n in nodes:
+        if not isinstance(n, fx.Node):
+            continue
+        if _mutates(n):
+            return f"{n.name} mutates its inputs"
+        hit = next((u.name for u in n.users if _mutates(u)), None)
+        if hit:
+            return f"{n.name} is mutated by {hit}"
+    return None
+
+
+def depends_on(node: fx.Node, producer: fx.Node) -> bool:
+    """Is there a path producer -> ... -> node? Only nodes after `producer` in graph order can be on it."""
+    order = {n: i for i, n in enumerate(producer.graph.nodes)}
+    start = order[producer]
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n is producer:
+            return True
+        if n in seen or order.get(n, -1) <= start:
+            continue
+        seen.add(n)
+        stack.extend(a for a in n.all_input_nodes)
+    return False
+
+
+def no_cycle(operand: fx.Node, producer: fx.Node) -> str | None:
+    if isinstance(operand, fx.Node) and depends_on(operand, producer):
+        return f"operand {operand.name} depends on the producer {producer.name} (fusing would form a cycle)"
+    return None
+
+
+def _alias_root(node: fx.Node) -> fx.Node:
+    """Follow view ops back to the tensor that owns the storage."""
+    while node.op == "call_function" and getattr(node.target, "is_view", False) and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node
+
+
+def no_alias(operand: fx.Node, producer_inputs) -> str | None:
+    """An add-to-output operand becomes the producer's initial output: it must not share storage with the
+    producer's inputs, or accumulating into it would overwrite what the producer still reads (OneFlow)."""
+    root = _alias_root(operand)
+    for i in producer_inputs:
+        if isinstance(i, fx.Node) and _alias_root(i) is root:
+            return f"operand {operand.name} aliases the producer's input {i.name}"
+    return None
+
+
+def broadcast_kind(operand: fx.Node, out: torch.Tensor, channel_dim: int) -> tuple[str | None, str | None]:
+    """(kind, reason): how `operand` broadcasts onto `out` — "c", "nc", "full" — or why it can't."""
+    from ..epilogue import operand_kind, rows3
+
+    v = val(operand)
+    if v is None:
+        return None, "operand has no tensor metadata"
+    try:
+        if torch.broadcast_shapes(v.shape, out.shape) != out.shape:
+            return None, f"operand shape {tuple(v.shape)} broadcasts the output {tuple(out.shape)} larger"
+        kind = operand_kind(rows3(v, out.shape, channel_dim))
+    except RuntimeError as e:
+        return None, f"operand shape {tuple(v.shape)} does not broadcast to {tuple(out.shape)}: {e}"
+    if v.dtype not in SUPPORTED_DTYPES:
+        return None, f"operand dtype {v.dtype} not supported"
+    if kind == "full" and v.dtype != out.dtype:
+        return None, f"operand dtype {v.dtype} differs from output dtype {out.dtype}"
+    return kind, None
+
+
+def same_layout(operand: fx.Node, out: torch.Tensor) -> str | None:
+    """FuseAddToOutput needs the operand to be laid out like the output it initialises."""
+    v = val(operand)
+    if v is None or tuple(v.shape) != tuple(out.shape):
+        return f"shape {None if v is None else tuple(v.shape)} differs from output {tuple(out.shape)}"
+    if v.dtype != out.dtype:
+        return f"dtype {v.dtype} differs from output dtype {out.dtype}"
+    if v.stride() != out.stride():
+        return f"strides {v.stride()} differ from output strides {out.stride()}"
+    return None
+
+
+def first(*reasons) -> str | None:
+    """The first refusal among already-evaluated rules."""
+    return next((r for r in reasons if r), None)

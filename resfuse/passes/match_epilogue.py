@@ -1,0 +1,166 @@
+"""Epilogue fusion pass: each conv/GEMM anchor absorbs its elementwise consumers while the legality rules allow.
+
+Entry point: `match_epilogue(gm, ctx)`, the first pass. `grow(group, ctx)` is shared with add_to_output.py,
+which re-opens a fused op after absorbing an add so that the trailing activation follows it in.
+
+What an anchor absorbs (tables below): a per-channel bias add, inference batch norm, the activations of
+UNARY, binary add/sub/mul/div with a scalar, a per-channel or per-(n,c) vector, or (except add, which is
+FuseAddToOutput's) a full tensor; gemm outputs may pass through a reshape that keeps the last dim.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from .. import epilogue as epi
+from . import legality
+from .group import Group
+
+aten = torch.ops.aten
+
+
+def _arg(node: fx.Node, i: int, name: str, default):
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def _bound(v, unbounded: float) -> float:
+    return unbounded if v is None else float(v)
+
+
+# target -> (epilogue op name, params from the node)
+UNARY = {
+    aten.relu.default: lambda n: ("relu", ()),
+    aten.hardtanh.default: lambda n: ("clamp", (float(_arg(n, 1, "min_val", -1.0)), float(_arg(n, 2, "max_val", 1.0)))),
+    aten.clamp.default: lambda n: ("clamp", (_bound(_arg(n, 1, "min", None), -math.inf),
+                                              _bound(_arg(n, 2, "max", None), math.inf))),
+    aten.leaky_relu.default: lambda n: ("leaky_relu", (float(_arg(n, 1, "negative_slope", 0.01)),)),
+    aten.gelu.default: lambda n: ("gelu_tanh" if n.kwargs.get("approximate", "none") == "tanh" else "gelu", ()),
+    aten.silu.default: lambda n: ("silu", ()),
+    aten.sigmoid.default: lambda n: ("sigmoid", ()),
+    aten.hardswish.default: lambda n: ("hardswish", ()),
+    aten.hardsigmoid.default: lambda n: ("hardsigmoid", ()),
+    aten.tanh.default: lambda n: ("tanh", ()),
+}
+BINARY = {
+    aten.add.Tensor: "add", aten.sub.Tensor: "sub", aten.mul.Tensor: "mul", aten.div.Tensor: "div",
+    aten.add.Scalar: "add", aten.sub.Scalar: "sub", aten.mul.Scalar: "mul", aten.div.Scalar: "div",
+}
+BATCH_NORM = aten._native_batch_norm_legit_no_training.default
+VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+ANCHORS = (aten.convolution.default, aten.mm.default, aten.addmm.default, aten.bmm.default)
+
+
+def anchor_refusal(node: fx.Node) -> str | None:
+    """Why an anchor op can't start a group (None if it can)."""
+    if node.target == aten.convolution.default:
+        x, w = node.args[:2]
+        transposed, groups = node.args[6], node.args[8]
+        if transposed:
+            return "transposed convolution not supported"
+        if legality.val(w) is not None and legality.val(w).dim() != 4:
+            return f"{legality.val(w).dim() - 2}-D convolution not supported (2-D only)"
+        if groups != 1:
+            return f"grouped convolution (groups={groups}) not supported yet"
+    if node.target == aten.addmm.default and legality.static_tensor(node.args[0]) is None:
+        kind, why = legality.broadcast_kind(node.args[0], legality.val(node), -1)
+        if why:
+            return f"addmm bias: {why}"
+    return legality.first(legality.static_tensor(node), legality.supported_dtype(node),
+                          *[legality.supported_dtype(a) for a in node.all_input_nodes])
+
+
+def _step(g: Group, node: fx.Node, ctx) -> tuple | str | None:
+    """How `node` (the sole consumer of g.out) joins the group: (tree, out, extra nodes), a refusal, or None
+    when it is not an epilogue op at all."""
+    t, cur = node.target, g.out
+    if t in UNARY:
+        name, params = UNARY[t](node)
+        return epi.Op(name, (g.tree,), params), None, ()
+    if t == BATCH_NORM and node.args[0] is cur:
+        getitems = list(node.users)
+        if any(u.args[1] != 0 for u in getitems) or len(getitems) != 1:
+            return "batch norm's saved statistics are used"
+        _, w, b, mean, var, _, eps = node.args[:7]
+        vecs = [g.operand(v, "c") if v is not None else epi.Const(c) for v, c in ((mean, 0.0), (var, 1.0),
+                                                                                  (w, 1.0), (b, 0.0))]
+        return epi.Op("bn", (g.tree, *vecs), (float(eps),)), getitems[0], (getitems[0],)
+    if t in BINARY:
+        name = BINARY[t]
+        a, b = node.args[:2]
+        if node.kwargs.get("alpha", 1) != 1:
+            return f"{name} with alpha={node.kwargs['alpha']} not supported"
+        other, chain_first = (b, True) if a is cur else (a, False)
+        if other is cur:
+            return f"{name} of the value with itself"
+        if isinstance(other, fx.Node):
+            kind, why = legality.broadcast_kind(other, g.out_val, g.channel_dim)
+            why = why or legality.no_cycle(other, g.out) or legality.no_mutation(other)
+            if why:
+                return why
+            if kind == "full" and name == "add":
+                return None  # a same-shape add belongs to FuseAddToOutput
+            if kind != "c" and sum(o.kind != "c" for o in epi.operands(g.tree)) >= legality.MAX_RESIDUALS:
+                return f"more than {legality.MAX_RESIDUALS} residual operands"
+            leaf = g.operand(other, kind)
+        elif isinstance(other, (int, float)) and not isinstance(other, bool):
+            leaf = epi.Const(float(other))
+        else:
+            return f"{name} with operand {other!r} not supported"
+        return epi.Op(name, (g.tree, leaf) if chain_first else (leaf, g.tree)), None, ()
+    if t in VIEWS and g.anchor == "gemm":
+        shape = list(legality.val(node).shape)
+        if shape[-1] != g.out_val.shape[-1] or not g.out_val.is_contiguous():
+            return None  # not a pure re-batching of rows: the chain ends here
+        g.params = (shape,)
+        return g.tree, None, ()
+    return None
+
+
+def grow(g: Group, ctx) -> Group:
+    """Absorb consumers into `g` until one is not an epilogue op or a rule refuses it."""
+    while True:
+        users = list(g.out.users)
+        if len(users) != 1:
+            for u in users:
+                if u.target in UNARY or u.target in BINARY or u.target == BATCH_NORM:
+                    ctx.reject(u, legality.sole_consumer(g.out))
+            return g
+        node = users[0]
+        step = _step(g, node, ctx)
+        if step is None:
+            return g
+        why = step if isinstance(step, str) else legality.first(legality.static_tensor(step[1] or node),
+                                                                 _same_dtype(g, step[1] or node))
+        if why:
+            ctx.reject(node, why)
+            return g
+        tree, out, extra = step
+        g.absorb(node, tree, out, extra)
+
+
+def _same_dtype(g: Group, node: fx.Node) -> str | None:
+    v = legality.val(node)
+    if v is not None and v.dtype != g.out_val.dtype:
+        return f"changes dtype {g.out_val.dtype} -> {v.dtype}"
+    return None
+
+
+def match_epilogue(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in ANCHORS:
+            continue
+        why = anchor_refusal(node)
+        if why:
+            ctx.reject(node, why)
+            continue
+        g = grow(Group.from_anchor(node, ctx.provider), ctx)
+        if g.tree == epi.ACC:
+            continue  # no epilogue: leave the ATen op to cuDNN/cuBLAS (FuseAddToOutput may still take it)
+        emitted = g.emit()
+        if isinstance(emitted, str):
+            ctx.reject(node, emitted)
+    gm.graph.lint()
+    gm.recompile()
+    return gm

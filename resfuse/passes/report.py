@@ -1,0 +1,125 @@
+"""The fusion report: what was fused (one entry per fused op), what was not and why, and which path ran.
+
+Entry point: `Report.collect(gm, graph)`, the last pass; `PassContext.reject` records refusals as the passes
+run. The report prints as a rich table (`print(report)` or `rich.print(report)`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import torch
+import torch.fx as fx
+
+from .. import epilogue as epi
+from ..ops import PATHS
+from . import legality
+
+
+@dataclasses.dataclass
+class Fusion:
+    graph: str  # "inference", "forward" or "backward"
+    anchor: str  # "conv2d" | "gemm"
+    ops: list[str]
+    pattern: str
+    sources: list[str]
+    shapes: dict
+    bytes_saved: int
+    signature: str
+    provider: str
+
+    @property
+    def ran(self) -> str:
+        """The paths this op's calls took so far ("triton", "reference"), or "not run"."""
+        paths = sorted({p for (op, sig, p), n in PATHS.items() if op == self.anchor and sig == self.signature})
+        return ",".join(paths) or "not run"
+
+
+@dataclasses.dataclass
+class Rejection:
+    graph: str
+    node: str
+    op: str
+    reason: str
+
+
+def bytes_saved(tree: epi.Node, out: torch.Tensor) -> int:
+    """Memory traffic the fusion removes: each absorbed op would read its full-size inputs and write its
+    output; fused, only the full-size operands are still read (an add: 3N unfused, N fused)."""
+    def full(a):
+        return epi.contains_acc(a) or (isinstance(a, epi.Operand) and a.kind == "full")
+
+    def unfused(n):
+        if not isinstance(n, epi.Op):
+            return 0
+        return 1 + sum(full(a) for a in n.args) + sum(unfused(a) for a in n.args)
+
+    n_full = sum(o.kind == "full" for o in epi.operands(tree))
+    return (unfused(tree) - n_full) * out.numel() * out.element_size()
+
+
+@dataclasses.dataclass
+class Report:
+    fusions: list[Fusion] = dataclasses.field(default_factory=list)
+    rejected_by_node: dict = dataclasses.field(default_factory=dict)
+    graphs: list[str] = dataclasses.field(default_factory=list)
+    errors: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def rejected(self) -> list[Rejection]:
+        return list(self.rejected_by_node.values())
+
+    def reject(self, graph: str, node: fx.Node, reason: str) -> None:
+        self.rejected_by_node[(graph, node.name)] = Rejection(graph, node.name, str(node.target), reason)
+
+    def collect(self, gm: fx.GraphModule, graph: str) -> fx.GraphModule:
+        self.graphs.append(graph)
+        for node in gm.graph.nodes:
+            info = node.meta.get("resfuse")
+            if node.op != "call_function" or info is None:
+                continue
+            tree, out = epi.parse(node.args[3]), legality.val(node)
+            ops = epi.pattern_ops(tree)
+            shapes = {"inputs": [tuple(legality.val(a).shape) for a in node.args[:2]], "out": tuple(out.shape)}
+            self.fusions.append(Fusion(graph, info["anchor"], ops, "_".join([info["anchor"], *ops]),
+                                       info["sources"], shapes, bytes_saved(tree, out), node.args[3],
+                                       node.args[-1]))
+            fused_names = set(info["sources"])
+            for key in [k for k in self.rejected_by_node if k[0] == graph and k[1] in fused_names]:
+                del self.rejected_by_node[key]  # a later pass fused what an earlier one refused
+        return gm
+
+    def count(self, pattern_op: str, graph: str | None = None) -> int:
+        return sum(pattern_op in f.ops for f in self.fusions if graph in (None, f.graph))
+
+    def __rich__(self):
+        from rich.console import Group as RGroup
+        from rich.table import Table
+
+        fused = Table(title=f"resfuse: {len(self.fusions)} fused ops", show_lines=False)
+        for col in ("graph", "pattern", "out shape", "saved MB", "provider", "ran", "sources"):
+            fused.add_column(col)
+        for f in self.fusions:
+            fused.add_row(f.graph, f.pattern, "x".join(map(str, f.shapes["out"])), f"{f.bytes_saved / 1e6:.2f}",
+                          f.provider, f.ran, ", ".join(f.sources))
+        rej = Table(title=f"not fused: {len(self.rejected)}")
+        for col in ("graph", "node", "op", "reason"):
+            rej.add_column(col)
+        for r in self.rejected:
+            rej.add_row(r.graph, r.node, r.op, r.reason)
+        parts = [fused, rej] + [f"[red]error:[/red] {e}" for e in self.errors]
+        total = sum(f.bytes_saved for f in self.fusions)
+        parts.append(f"estimated memory traffic saved: {total / 1e6:.1f} MB per call")
+        return RGroup(*parts)
+
+    def __str__(self):
+        from rich.console import Console
+
+        buf = io.StringIO()
+        Console(file=buf, width=160, force_terminal=False).print(self)
+        return buf.getvalue()
+
+    def to_dict(self) -> dict:
+        return {"fusions": [{**dataclasses.asdict(f), "ran": f.ran} for f in self.fusions],
+                "rejected": [dataclasses.asdict(r) for r in self.rejected], "graphs": self.graphs,
+                "errors": self.errors}
