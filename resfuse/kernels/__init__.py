@@ -35,13 +35,14 @@ def _set_interpret(on: bool) -> None:
     if built is not None and _OPTIONS["interpret"] != on:
         raise RuntimeError("resfuse kernels were already built with interpret="
                            f"{_OPTIONS['interpret']}; set kernels.set_options(interpret=...) before the first launch")
+    # Set before triton is imported where possible: its own @jit helpers are decorated at that import.
+    os.environ["TRITON_INTERPRET"] = "1" if on else "0"
     if not triton_installed():
         return
     import triton
     knobs = getattr(triton, "knobs", None)  # triton >= 3.4; older releases read TRITON_INTERPRET at decoration
     if knobs is not None:
         knobs.runtime.interpret = on
-    os.environ["TRITON_INTERPRET"] = "1" if on else "0"
 
 
 def options() -> dict:

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .codegen import Family
 from .matmul import split_k_heuristic
-from .tiles import k_range, swizzle_tile
+from .tiles import cdiv, k_range, mma, swizzle_tile
 
 
 @triton.jit
@@ -32,7 +32,7 @@ def conv2d_fprop_mainloop(x, w, NB, H, W, C, KO, OH, OW, R, S,
     pid = tl.program_id(0)
     pid_k = tl.program_id(2)
     M = NB * OH * OW
-    tile_m, tile_n = swizzle_tile(pid, tl.cdiv(M, BM), tl.cdiv(KO, BN), GROUP_M)
+    tile_m, tile_n = swizzle_tile(pid, cdiv(M, BM), cdiv(KO, BN), GROUP_M)
     offs_m = tile_m * BM + tl.arange(0, BM)
     offs_n = tile_n * BN + tl.arange(0, BN)
     # Edge rows/filters wrap onto valid ones so their loads stay in bounds; they are masked at the store.
@@ -50,7 +50,7 @@ def conv2d_fprop_mainloop(x, w, NB, H, W, C, KO, OH, OW, R, S,
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if FLAT:
         red = R * S * C
-        lo, hi = k_range(pid_k, tl.cdiv(red, BK), SPLIT_K)
+        lo, hi = k_range(pid_k, cdiv(red, BK), SPLIT_K)
         for kb in range(lo, hi):
             kk = kb * BK + offs_k
             k_ok = kk < red
@@ -62,9 +62,9 @@ def conv2d_fprop_mainloop(x, w, NB, H, W, C, KO, OH, OW, R, S,
             ok = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W) & k_ok[None, :]
             x_t = tl.load(x_rows[:, None] + ih * s_xh + iw * s_xw + c[None, :] * s_xc, mask=ok, other=0.0)
             w_t = tl.load(w_cols[None, :] + (r * s_wr + s * s_ws + c * s_wc)[:, None], mask=k_ok[:, None], other=0.0)
-            acc = tl.dot(x_t, w_t, acc, input_precision=PRECISION)
+            acc = mma(x_t, w_t, acc, PRECISION)
     else:
-        c_blocks = tl.cdiv(C, BK)
+        c_blocks = cdiv(C, BK)
         lo, hi = k_range(pid_k, R * S * c_blocks, SPLIT_K)
         for t in range(lo, hi):
             rs = t // c_blocks
@@ -78,7 +78,7 @@ def conv2d_fprop_mainloop(x, w, NB, H, W, C, KO, OH, OW, R, S,
             x_t = tl.load((x_rows + ih * s_xh + iw * s_xw)[:, None] + cc[None, :] * s_xc,
                           mask=ok[:, None] & c_ok[None, :], other=0.0)
             w_t = tl.load(w_cols[None, :] + (r * s_wr + s * s_ws) + cc[:, None] * s_wc, mask=c_ok[:, None], other=0.0)
-            acc = tl.dot(x_t, w_t, acc, input_precision=PRECISION)
+            acc = mma(x_t, w_t, acc, PRECISION)
     out_rows = n_i * s_on + oh * s_oh + ow * s_ow
     return acc, pid, pid_k, n_i, p_i, offs_m < M, out_rows, offs_n
 

@@ -49,6 +49,8 @@ def _split(config_split: int) -> int:
 
 
 def _precision(dtype: torch.dtype) -> str:
+    if dtype == torch.bfloat16 and options()["interpret"]:
+        return "upcast"  # see tiles.mma: the interpreter's bf16 dot is broken
     # fp32 runs as tf32 on tensor cores (what cuBLAS does with allow_tf32); fp16/bf16 ignore this
     return "tf32" if dtype == torch.float32 else "ieee"
 

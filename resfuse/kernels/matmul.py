@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .codegen import Family
-from .tiles import k_range, swizzle_tile
+from .tiles import cdiv, k_range, mma, swizzle_tile
 
 
 @triton.jit
@@ -27,8 +27,8 @@ def gemm_mainloop(a, b, M, N, K, s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_ob, s_om,
     pid = tl.program_id(0)
     batch = tl.program_id(1)
     pid_k = tl.program_id(2)
-    tiles_m = tl.cdiv(M, BM)
-    tiles_n = tl.cdiv(N, BN)
+    tiles_m = cdiv(M, BM)
+    tiles_n = cdiv(N, BN)
     tile_m, tile_n = swizzle_tile(pid, tiles_m, tiles_n, GROUP_M)
     offs_m = tile_m * BM + tl.arange(0, BM)
     offs_n = tile_n * BN + tl.arange(0, BN)
@@ -38,7 +38,7 @@ def gemm_mainloop(a, b, M, N, K, s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_ob, s_om,
     rows = offs_m % M
     cols = offs_n % N
     offs_k = tl.arange(0, BK)
-    lo, hi = k_range(pid_k, tl.cdiv(K, BK), SPLIT_K)
+    lo, hi = k_range(pid_k, cdiv(K, BK), SPLIT_K)
     a_ptrs = a + batch * s_ab + rows[:, None] * s_am + (lo * BK + offs_k)[None, :] * s_ak
     b_ptrs = b + batch * s_bb + (lo * BK + offs_k)[:, None] * s_bk + cols[None, :] * s_bn
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -50,7 +50,7 @@ def gemm_mainloop(a, b, M, N, K, s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_ob, s_om,
             k_ok = kb * BK + offs_k < K
             a_t = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b_t = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        acc = tl.dot(a_t, b_t, acc, input_precision=PRECISION)
+        acc = mma(a_t, b_t, acc, PRECISION)
         a_ptrs += BK * s_ak
         b_ptrs += BK * s_bk
     tile = batch * tiles_m * tiles_n + pid

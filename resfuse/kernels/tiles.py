@@ -1,12 +1,22 @@
 """Shared @triton.jit index helpers for every kernel family's mainloop (no kernels here).
 
-Entry points: `swizzle_tile(pid, tiles_m, tiles_n, GROUP_M)` and `k_range(pid_k, blocks, SPLIT_K)`, called by
-gemm.py and conv2d_fprop.py so that both families order their tiles and split their reduction the same way.
+Entry points: `swizzle_tile(pid, tiles_m, tiles_n, GROUP_M)`, `k_range(pid_k, blocks, SPLIT_K)`, `mma` and `cdiv`,
+called by matmul.py and conv2d_fprop.py so that both families order their tiles and split their reduction the
+same way.
+
+Kernels here use Triton builtins only, never triton.language.standard's @jit helpers (tl.cdiv, tl.sum...):
+those are decorated when triton is first imported, so if that happened before the interpreter switch they
+would stay compiled-mode functions and fail inside an interpreted kernel.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def cdiv(a, b):
+    return (a + b - 1) // b
 
 
 @triton.jit
@@ -23,7 +33,19 @@ def swizzle_tile(pid, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 @triton.jit
 def k_range(pid_k, blocks, SPLIT_K: tl.constexpr):
     """This split's half-open range of reduction blocks; trailing splits may get an empty range."""
-    per_split = tl.cdiv(blocks, SPLIT_K)
+    per_split = cdiv(blocks, SPLIT_K)
     lo = pid_k * per_split
     hi = tl.minimum(lo + per_split, blocks)
     return lo, hi
+
+
+@triton.jit
+def mma(a, b, acc, PRECISION: tl.constexpr):
+    """acc += a @ b. PRECISION is tl.dot's input_precision, or "upcast": Triton's interpreter multiplies
+    bf16 tiles as raw integers (np.matmul on their bits), so there both tiles go to fp32 first; bf16 x bf16
+    products are exact in fp32, so the result is what the tensor cores compute."""
+    if PRECISION == "upcast":
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
