@@ -1,0 +1,255 @@
+"""`resfuse bench MODEL`: resfuse against eager and torch.compile in one run, next to the roofline floor.
+
+Entry points: `add_arguments(parser)` and `main(args) -> exit code`, wired into resfuse/cli.py;
+`benchmark(args) -> result dict` for scripts and tests. Order of a run: models.load -> roofline ceilings and
+floor -> each peer built, called once (first-call time, numerics vs eager), timed, optionally profiled ->
+report (rich table, JSON, PNG).
+
+Peers: eager (always; it is the numerics reference), then those in --peers among compile (torch.compile
+default), reduce-overhead (CUDA graphs), max-autotune (slow to compile, so opt-in), then resfuse
+(`resfuse.compile(model)`, always) and on CUDA resfuse+graphs (`cuda_graphs=True`; --no-cuda-graphs drops
+it). One failing peer is recorded with its error and the run goes on.
+
+JSON schema ("schema": "resfuse-bench/1"); every time is the median unless its name says otherwise:
+  schema str, created str (ISO 8601 UTC), argv list[str] | null
+  model str, model_source str ("torchvision:resnet50", "hf-resnet50", "file:...")
+  batch int, dtype str ("fp16" | "bf16" | "fp32"), device str, device_name str, channels_last bool,
+  image_size int | null, seq int | null
+  versions {python, torch, triton, transformers, torchvision, timm, cuda, cudnn, resfuse: str | null}
+  timing {method: "cuda-events" | "perf_counter", iters int, warmup int, input_sets int}
+  ceilings {matmul_flops_per_s float, copy_bytes_per_s float, matmul_dtype str}
+  floor {ms float, flops int, bytes int, layers int, compute_bound_layers int,
+         top_layers list[{name str, kind "compute"|"memory", flops int, bytes int, floor_us float, ops list[str]}],
+         seconds_to_measure float}
+  resfuse_variants list[str]  (the resfuse peers this run attempted)
+  peers {name: {status "ok" | "error" | "skipped", error str | null,
+                latency_ms, latency_min_ms, latency_p90_ms, throughput_items_per_s, compile_s (first-call wall
+                time: compilation and tuning included), x_floor (latency / floor), max_rel_err
+                (||out - ref|| / ||ref|| vs eager), max_abs_err: float | null,
+                speedup_of_resfuse {resfuse variant: this peer's latency / the variant's latency},
+                paths {path: calls} (resfuse peers only: which implementation ran, e.g. triton, reference)}}
+  profile {peer: list[{name str, time_us float (per iteration), calls int, share float}]}  (with --profile)
+  notes list[str]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import platform
+import sys
+import time
+import traceback
+
+import torch
+
+from . import models, report, roofline, timing
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+OPTIONAL_PEERS = ("eager", "compile", "reduce-overhead", "max-autotune")
+DEFAULT_PEERS = "eager,compile,reduce-overhead"
+PROFILED = ("compile", "resfuse", "resfuse+graphs")  # --profile: what torch.compile and resfuse launch
+CPU_NOTE = ("CPU run: these numbers check that the harness and the peers work; speed needs a CUDA GPU "
+            "(timed with time.perf_counter, not CUDA events)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help=f"one of {', '.join(models.names())}, or path/to/file.py:factory")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="default fp16 on CUDA, fp32 on CPU")
+    parser.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time resfuse with cuda_graphs=True (default: on for CUDA)")
+    parser.add_argument("--peers", default=DEFAULT_PEERS,
+                        help=f"comma list from {','.join(OPTIONAL_PEERS)}; resfuse (and eager) always run")
+    parser.add_argument("--json", metavar="FILE", help="write the result as JSON (schema in run.py)")
+    parser.add_argument("--plot", metavar="FILE.png", help="bar chart of latencies with the floor")
+    parser.add_argument("--profile", action="store_true",
+                        help="torch.profiler top kernels for resfuse and torch.compile")
+    parser.add_argument("--iters", type=int, default=None, help="timed calls per peer (default 100 CUDA, 5 CPU)")
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--seq", type=int, default=384, help="sequence length of text models")
+    parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
+
+
+def main(args: argparse.Namespace) -> int:
+    result = benchmark(args)
+    return 0 if result["peers"]["resfuse"]["status"] == "ok" else 1
+
+
+def benchmark(args: argparse.Namespace) -> dict:
+    from rich.console import Console
+
+    # Piped output (CI logs, the GPU machine) would otherwise wrap the table at 80 columns.
+    console = Console() if sys.stdout.isatty() else Console(width=150)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    dtype_name = args.dtype or ("fp16" if cuda else "fp32")
+    iters = args.iters or (100 if cuda else 5)
+    peers = _peer_list(args.peers, cuda, args.cuda_graphs)
+    notes = [] if cuda else [CPU_NOTE]
+    if args.cuda_graphs and not cuda:
+        notes.append("--cuda-graphs ignored: CUDA graphs need a CUDA device")
+    text = models.is_text(args.model)
+    result = {
+        "schema": "resfuse-bench/1",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "argv": getattr(args, "argv", None),
+        "model": args.model, "model_source": models.resolve(args.model), "batch": args.batch,
+        "dtype": dtype_name, "device": str(device), "device_name": _device_name(device),
+        "channels_last": args.channels_last,
+        "image_size": None if text else args.image_size, "seq": args.seq if text else None,
+        "versions": _versions(),
+        "resfuse_variants": [p for p in peers if p.startswith("resfuse")],
+        "peers": {}, "profile": {}, "notes": notes,
+    }
+    if result["model_source"] != args.model:
+        notes.append(f"{args.model} resolved to {result['model_source']}")
+    for note in notes:
+        console.print(f"[yellow]note:[/yellow] {note}")
+
+    model, inputs = models.load(args.model, args.batch, DTYPES[dtype_name], device,
+                                channels_last=args.channels_last, image_size=args.image_size, seq=args.seq)
+    sets = timing.input_sets(inputs)
+    result["timing"] = {"method": "cuda-events" if cuda else "perf_counter", "iters": iters,
+                        "warmup": max(3, iters // 10), "input_sets": len(sets)}
+    _floor(result, model, inputs, device, DTYPES[dtype_name])
+    console.print(f"floor {result['floor']['ms']:.3f} ms over {result['floor']['layers']} layers")
+
+    refs = timing.run_once(model, inputs)
+    for name in peers:
+        console.print(f"[bold]{name}[/bold] ...")
+        result["peers"][name] = _measure(name, model, sets, refs, device, iters, args, result)
+        _free(device)
+    _speedups(result)
+    console.print(report.table(result))
+    if args.json:
+        report.write_json(result, args.json)
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        report.plot(result, args.plot)
+        console.print(f"wrote {args.plot}")
+    return result
+
+
+def _peer_list(spec: str, cuda: bool, cuda_graphs: bool | None) -> list[str]:
+    asked = [p.strip() for p in spec.split(",") if p.strip() and not p.strip().startswith("resfuse")]
+    unknown = sorted(set(asked) - set(OPTIONAL_PEERS))
+    if unknown:
+        raise SystemExit(f"unknown peer(s) {unknown}; choose from {','.join(OPTIONAL_PEERS)} "
+                         "(resfuse always runs)")
+    peers = ["eager"] + [p for p in OPTIONAL_PEERS[1:] if p in asked] + ["resfuse"]
+    if cuda and cuda_graphs is not False:
+        peers.append("resfuse+graphs")
+    return peers
+
+
+def _build(name: str, model: torch.nn.Module):
+    if name == "eager":
+        return model
+    torch._dynamo.reset()  # each peer compiles from scratch, not from the previous peer's cache entries
+    if name == "compile":
+        return torch.compile(model)
+    if name in ("reduce-overhead", "max-autotune"):
+        return torch.compile(model, mode=name)
+    import resfuse  # lazily: the harness must load (and run its other peers) without the compiler
+
+    return resfuse.compile(model, cuda_graphs=name == "resfuse+graphs")
+
+
+def _measure(name, model, sets, refs, device, iters, args, result) -> dict:
+    paths_before = _paths()
+    try:
+        fn = _build(name, model)
+        compile_s, outs = timing.first_call(fn, sets[0], device)
+        rel, absolute = timing.output_error(outs, refs)
+        lat = timing.latency(fn, sets, device, iters)
+        if args.profile and name in PROFILED:
+            result["profile"][name] = timing.top_kernels(fn, sets, device)
+    except Exception as e:  # a peer that fails to compile or run is a result, not the end of the run
+        traceback.print_exc(file=sys.stderr)
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        return {"status": "error", "error": f"{type(e).__name__}: {first_line}"[:500]}
+    entry = {
+        "status": "ok", "error": None, "latency_ms": lat.median_ms, "latency_min_ms": lat.min_ms,
+        "latency_p90_ms": lat.p90_ms, "throughput_items_per_s": args.batch / (lat.median_ms / 1e3),
+        "compile_s": compile_s, "x_floor": lat.median_ms / result["floor"]["ms"] if result["floor"]["ms"] else None,
+        "max_rel_err": rel, "max_abs_err": absolute, "speedup_of_resfuse": {},
+    }
+    if name.startswith("resfuse"):
+        after = _paths()
+        entry["paths"] = {p: after.get(p, 0) - paths_before.get(p, 0) for p in after
+                          if after.get(p, 0) != paths_before.get(p, 0)}
+    return entry
+
+
+def _paths() -> dict[str, int]:
+    """Calls per implementation path (triton, reference, ...) of resfuse's fused ops so far."""
+    try:
+        from resfuse.ops import PATHS
+    except ImportError:  # resfuse not importable: only the non-resfuse peers run, nothing to count
+        return {}
+    totals: dict[str, int] = {}
+    for (_op, _sig, path), calls in PATHS.items():
+        totals[path] = totals.get(path, 0) + calls
+    return totals
+
+
+def _speedups(result: dict) -> None:
+    variants = {v: result["peers"][v]["latency_ms"] for v in result["resfuse_variants"]
+                if result["peers"][v]["status"] == "ok"}
+    for peer in result["peers"].values():
+        if peer["status"] == "ok":
+            peer["speedup_of_resfuse"] = {v: peer["latency_ms"] / ms for v, ms in variants.items()}
+
+
+def _floor(result, model, inputs, device, dtype) -> None:
+    t0 = time.perf_counter()
+    ceilings = roofline.measure_ceilings(device, dtype if device.type == "cuda" else None)
+    seconds, layers = roofline.floor(model, inputs, ceilings)
+    result["ceilings"] = {"matmul_flops_per_s": ceilings[0], "copy_bytes_per_s": ceilings[1],
+                          "matmul_dtype": str(dtype if device.type == "cuda" else torch.float32)}
+    top = sorted(layers, key=lambda layer: layer.floor_s, reverse=True)[:10]
+    result["floor"] = {
+        "ms": seconds * 1e3, "flops": sum(layer.flops for layer in layers),
+        "bytes": sum(layer.bytes for layer in layers), "layers": len(layers),
+        "compute_bound_layers": sum(layer.bound == "compute" for layer in layers),
+        "top_layers": [{"name": layer.name, "kind": layer.kind, "flops": layer.flops, "bytes": layer.bytes,
+                        "floor_us": layer.floor_s * 1e6, "ops": layer.ops} for layer in top],
+        "seconds_to_measure": time.perf_counter() - t0,
+    }
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} CPU ({torch.get_num_threads()} threads)"
+
+
+def _versions() -> dict:
+    def version(dist):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "triton": version("triton"),
+            "transformers": version("transformers"), "torchvision": version("torchvision"),
+            "timm": version("timm"), "cuda": torch.version.cuda,
+            "cudnn": str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else None,
+            "resfuse": version("resfuse")}
+
+
+def _free(device: torch.device) -> None:
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m resfuse.bench.run", description=__doc__.split("\n")[0])
+    add_arguments(_parser)
+    _args = _parser.parse_args()
+    _args.argv = sys.argv[1:]
+    sys.exit(main(_args))
