@@ -211,6 +211,18 @@ def rows3(t: torch.Tensor, out_shape, channel_dim: int) -> torch.Tensor:
     return t.reshape(t.shape[0], -1, t.shape[-1])
 
 
+def operand_views(tree: Node, tensors, out_shape, channel_dim: int) -> list[torch.Tensor]:
+    """[S, P, C] views of a fused op's operands. A 1-D "c" operand (conv bias, BN statistics) lies along the
+    channel dim, which numpy broadcasting alone would not give for a conv's [N, C, H, W]."""
+    nd = len(out_shape)
+    views = []
+    for o, t in zip(operands(tree), tensors):
+        if o.kind == "c" and t.dim() == 1:
+            t = t.view([-1 if d == channel_dim % nd else 1 for d in range(nd)])
+        views.append(rows3(t, out_shape, channel_dim))
+    return views
+
+
 def operand_kind(t3: torch.Tensor) -> str:
     s_n, s_p, _ = t3.stride()
     if s_p == 0 or t3.shape[1] == 1:

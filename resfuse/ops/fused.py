@@ -41,9 +41,10 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _finish(acc: torch.Tensor, out: torch.Tensor, operands, signature: str, channel_dim: int) -> torch.Tensor:
     """Apply the epilogue to an ATen accumulator, in fp32 or wider, and write it into `out`."""
+    tree = epi.parse(signature)
     acc3 = epi.rows3(acc.to(_compute_dtype(acc.dtype)), acc.shape, channel_dim)
-    ops3 = [epi.rows3(t, acc.shape, channel_dim) for t in operands]
-    epi.rows3(out, out.shape, channel_dim).copy_(epi.reference(epi.parse(signature), acc3, ops3))
+    ops3 = epi.operand_views(tree, operands, acc.shape, channel_dim)
+    epi.rows3(out, out.shape, channel_dim).copy_(epi.reference(tree, acc3, ops3))
     return out
 
 

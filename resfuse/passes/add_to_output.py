@@ -22,9 +22,9 @@ aten = torch.ops.aten
 
 def _refusal(producer, other: fx.Node, add: fx.Node) -> str | None:
     if not isinstance(producer, fx.Node) or producer.op != "call_function":
-        return f"{getattr(producer, 'name', producer)} is not an op that can accumulate into its output"
+        return "not an op that can accumulate into its output"
     if producer.target not in FUSED and producer.target not in ANCHORS:
-        return f"{producer.name} ({producer.target}) cannot accumulate into its output"
+        return f"{producer.target} cannot accumulate into its output"
     if producer.target in ANCHORS:
         why = anchor_refusal(producer)
         if why:
@@ -32,7 +32,7 @@ def _refusal(producer, other: fx.Node, add: fx.Node) -> str | None:
     tree = epi.parse(producer.args[3]) if producer.target in FUSED else None
     return legality.first(
         legality.sole_consumer(producer),
-        tree is not None and epi.full_adds(tree) and f"{producer.name} has already absorbed an add",
+        tree is not None and epi.full_adds(tree) and "the producer has already absorbed an add",
         legality.same_layout(other, legality.val(producer)),
         legality.no_cycle(other, producer),
         legality.no_alias(other, producer.all_input_nodes),

@@ -5,7 +5,8 @@ which re-opens a fused op after absorbing an add so that the trailing activation
 
 What an anchor absorbs (tables below): a per-channel bias add, inference batch norm, the activations of
 UNARY, binary add/sub/mul/div with a scalar, a per-channel or per-(n,c) vector, or (except add, which is
-FuseAddToOutput's) a full tensor; gemm outputs may pass through a reshape that keeps the last dim.
+FuseAddToOutput's) a full tensor; gemm outputs may pass through a reshape that keeps the last dim, and any
+chain through a layout-preserving clone (eval-mode dropout).
 """
 from __future__ import annotations
 
@@ -109,6 +110,8 @@ def _step(g: Group, node: fx.Node, ctx) -> tuple | str | None:
         else:
             return f"{name} with operand {other!r} not supported"
         return epi.Op(name, (g.tree, leaf) if chain_first else (leaf, g.tree)), None, ()
+    if t == aten.clone.default and legality.val(node).stride() == g.out_val.stride():
+        return g.tree, None, ()  # eval-mode dropout: a copy that keeps the values and the layout
     if t in VIEWS and g.anchor == "gemm":
         shape = list(legality.val(node).shape)
         if shape[-1] != g.out_val.shape[-1] or not g.out_val.is_contiguous():

@@ -27,11 +27,13 @@ class Fusion:
     bytes_saved: int
     signature: str
     provider: str
+    calls_before: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def ran(self) -> str:
-        """The paths this op's calls took so far ("triton", "reference"), or "not run"."""
-        paths = sorted({p for (op, sig, p), n in PATHS.items() if op == self.anchor and sig == self.signature})
+        """The paths that ops of this signature took since the report was made ("triton", "reference")."""
+        paths = sorted(p for (op, sig, p), n in PATHS.items()
+                       if op == self.anchor and sig == self.signature and n > self.calls_before.get(p, 0))
         return ",".join(paths) or "not run"
 
 
@@ -81,9 +83,10 @@ class Report:
             tree, out = epi.parse(node.args[3]), legality.val(node)
             ops = epi.pattern_ops(tree)
             shapes = {"inputs": [tuple(legality.val(a).shape) for a in node.args[:2]], "out": tuple(out.shape)}
+            before = {p: n for (op, sig, p), n in PATHS.items() if op == info["anchor"] and sig == node.args[3]}
             self.fusions.append(Fusion(graph, info["anchor"], ops, "_".join([info["anchor"], *ops]),
                                        info["sources"], shapes, bytes_saved(tree, out), node.args[3],
-                                       node.args[-1]))
+                                       node.args[-1], before))
             fused_names = set(info["sources"])
             for key in [k for k in self.rejected_by_node if k[0] == graph and k[1] in fused_names]:
                 del self.rejected_by_node[key]  # a later pass fused what an earlier one refused
@@ -120,6 +123,7 @@ class Report:
         return buf.getvalue()
 
     def to_dict(self) -> dict:
-        return {"fusions": [{**dataclasses.asdict(f), "ran": f.ran} for f in self.fusions],
+        fusions = [{k: v for k, v in dataclasses.asdict(f).items() if k != "calls_before"} for f in self.fusions]
+        return {"fusions": [{**d, "ran": f.ran} for d, f in zip(fusions, self.fusions)],
                 "rejected": [dataclasses.asdict(r) for r in self.rejected], "graphs": self.graphs,
                 "errors": self.errors}
