@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -196,6 +197,8 @@ def _from_factory(name: str, **available) -> tuple[nn.Module, tuple]:
         raise FileNotFoundError(f"model file {path!r} not found (from {name!r})")
     spec = importlib.util.spec_from_file_location(f"resfuse_bench_user_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
+    # Registered before running it, as `import` would: dynamo (and pickle) look classes up by __module__.
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     factory = getattr(module, attr, None)
     if not callable(factory):

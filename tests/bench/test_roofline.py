@@ -1,0 +1,90 @@
+"""The roofline floor's arithmetic on layers whose FLOPs and bytes are counted by hand (fp32: 4 bytes)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from resfuse.bench import roofline
+
+F32 = 4
+
+
+def test_single_conv_flops_and_bytes():
+    conv = nn.Conv2d(3, 8, 3, padding=1).eval()
+    x = torch.randn(1, 3, 8, 8)
+    (layer,) = roofline.trace_layers(conv, (x,))
+    assert layer.kind == "compute"
+    # 2 FLOPs per MAC; one MAC per output element per (Cin x kh x kw).
+    assert layer.flops == 2 * (1 * 8 * 8 * 8) * (3 * 3 * 3)
+    # input + weight + bias read once, output written once.
+    assert layer.bytes == F32 * (1 * 3 * 8 * 8 + 8 * 3 * 3 * 3 + 8 + 1 * 8 * 8 * 8)
+
+
+def test_linear_flops_and_bytes():
+    lin = nn.Linear(16, 32).eval()
+    (layer,) = roofline.trace_layers(lin, (torch.randn(4, 16),))
+    assert layer.flops == 2 * 4 * 16 * 32
+    assert layer.bytes == F32 * (4 * 16 + 32 * 16 + 32 + 4 * 32)
+
+
+class ResidualBlock(nn.Module):
+    """conv -> bn -> (+ x) -> relu: one fused layer; x is read once although two ops read it."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(c, c, 1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)) + x)
+
+
+def test_epilogue_and_residual_add_are_absorbed():
+    block = ResidualBlock().eval()
+    x = torch.randn(2, 8, 4, 4)
+    layers = roofline.trace_layers(block, (x,))
+    assert [layer.kind for layer in layers] == ["compute"]
+    assert {"convolution", "add", "relu"} <= set(layers[0].ops)
+    act = 2 * 8 * 4 * 4
+    assert layers[0].bytes == F32 * (act + 8 * 8 + 4 * 8 + act)  # x, weight, 4 BN vectors, output
+
+
+def test_memory_only_layer_between_anchors():
+    model = nn.Sequential(nn.Conv2d(4, 4, 1, bias=False), nn.MaxPool2d(2), nn.Conv2d(4, 4, 1, bias=False))
+    layers = roofline.trace_layers(model.eval(), (torch.randn(1, 4, 8, 8),))
+    assert [layer.kind for layer in layers] == ["compute", "memory", "compute"]
+    pool = layers[1]
+    assert pool.flops == 0
+    assert pool.bytes == F32 * (4 * 8 * 8 + 4 * 4 * 4)  # reads the conv's output, writes a quarter of it
+
+
+def test_attention_flops():
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+
+    class Attention(nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    layers = roofline.trace_layers(Attention(), (q, k, v))
+    # Q @ K^T and P @ V: 2 * B * H * Lq * Lk * (D + Dv), whichever CPU kernel runs it.
+    assert sum(layer.flops for layer in layers) == 2 * 1 * 2 * 16 * 16 * (8 + 8)
+
+
+@pytest.mark.parametrize("flops_per_s, bytes_per_s, bound", [(1e3, 1e12, "compute"), (1e15, 1e3, "memory")])
+def test_floor_takes_the_larger_term_per_layer(flops_per_s, bytes_per_s, bound):
+    conv = nn.Conv2d(3, 8, 3, padding=1).eval()
+    x = torch.randn(1, 3, 8, 8)
+    seconds, (layer,) = roofline.floor(conv, (x,), (flops_per_s, bytes_per_s))
+    assert layer.bound == bound
+    assert seconds == pytest.approx(max(layer.flops / flops_per_s, layer.bytes / bytes_per_s))
+
+
+def test_floor_sums_layers():
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16)).eval()
+    seconds, layers = roofline.floor(model, (torch.randn(4, 16),), (1e9, 1e9))
+    assert len(layers) == 2
+    assert seconds == pytest.approx(sum(max(l.flops, l.bytes) / 1e9 for l in layers))
+
+
+def test_measure_ceilings_on_cpu_is_positive():
+    flops_per_s, bytes_per_s = roofline.measure_ceilings("cpu", repeats=2)
+    assert flops_per_s > 1e6 and bytes_per_s > 1e6

@@ -1,0 +1,99 @@
+"""A tiny end-to-end `resfuse bench` on CPU: eager and resfuse, then the JSON schema and the PNG."""
+import argparse
+import json
+import textwrap
+
+import pytest
+
+from resfuse.bench import run
+
+MODEL = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, c=8):
+            super().__init__()
+            self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+            self.conv2, self.bn2 = nn.Conv2d(c, c, 1, bias=False), nn.BatchNorm2d(c)
+
+        def forward(self, x):
+            y = torch.relu(self.bn1(self.conv1(x)))
+            return torch.relu(self.bn2(self.conv2(y)) + x)
+
+    def make(batch, image_size):
+        return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), Block(), Block()), torch.randn(batch, 3, image_size, image_size)
+""")
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    run.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    (tmp / "tiny.py").write_text(MODEL)
+    args = parse([f"{tmp / 'tiny.py'}:make", "--batch", "2", "--image-size", "8", "--device", "cpu",
+                  "--peers", "eager", "--iters", "3", "--json", str(tmp / "out.json"),
+                  "--plot", str(tmp / "out.png"), "--profile"])
+    assert run.main(args) == 0
+    return tmp, json.loads((tmp / "out.json").read_text())
+
+
+NUMBER = (int, float)
+PEER_FIELDS = {"status": str, "latency_ms": NUMBER, "latency_min_ms": NUMBER, "latency_p90_ms": NUMBER,
+               "throughput_items_per_s": NUMBER, "compile_s": NUMBER, "x_floor": NUMBER,
+               "max_rel_err": NUMBER, "max_abs_err": NUMBER, "speedup_of_resfuse": dict}
+
+
+def test_json_schema(bench):
+    _, result = bench
+    top = {"schema": str, "created": str, "model": str, "model_source": str, "batch": int, "dtype": str,
+           "device": str, "device_name": str, "channels_last": bool, "versions": dict, "timing": dict,
+           "ceilings": dict, "floor": dict, "resfuse_variants": list, "peers": dict, "profile": dict,
+           "notes": list}
+    for key, kind in top.items():
+        assert isinstance(result[key], kind), key
+    assert result["schema"] == "resfuse-bench/1"
+    assert set(result["versions"]) >= {"torch", "triton", "python", "cuda"}
+    assert isinstance(result["versions"]["torch"], str)
+    assert result["timing"]["method"] == "perf_counter" and result["timing"]["iters"] == 3
+    assert all(isinstance(result["ceilings"][k], float) and result["ceilings"][k] > 0
+               for k in ("matmul_flops_per_s", "copy_bytes_per_s"))
+    floor = result["floor"]
+    assert floor["ms"] > 0 and isinstance(floor["flops"], int) and isinstance(floor["bytes"], int)
+    assert floor["layers"] >= 5 and floor["top_layers"][0]["kind"] in ("compute", "memory")
+    assert any("speed needs a CUDA GPU" in note for note in result["notes"])
+
+
+def test_peers_eager_and_resfuse(bench):
+    _, result = bench
+    assert list(result["peers"]) == ["eager", "resfuse"]  # CPU: no resfuse+graphs
+    for name, peer in result["peers"].items():
+        assert peer["status"] == "ok", (name, peer.get("error"))
+        for key, kind in PEER_FIELDS.items():
+            assert isinstance(peer[key], kind), (name, key)
+    resfuse, eager = result["peers"]["resfuse"], result["peers"]["eager"]
+    assert resfuse["max_rel_err"] < 1e-4  # fp32: resfuse must compute eager's function
+    assert eager["speedup_of_resfuse"]["resfuse"] == pytest.approx(eager["latency_ms"] / resfuse["latency_ms"])
+    assert sum(resfuse["paths"].values()) > 0  # its fused ops ran, and the JSON says through which path
+    assert result["profile"]["resfuse"] and {"name", "time_us", "calls", "share"} <= set(result["profile"]["resfuse"][0])
+
+
+def test_plot_is_a_png(bench):
+    tmp, _ = bench
+    data = (tmp / "out.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 5_000
+
+
+def test_peer_list():
+    assert run._peer_list("eager,compile", cuda=False, cuda_graphs=None) == ["eager", "compile", "resfuse"]
+    assert run._peer_list("max-autotune", cuda=True, cuda_graphs=None) == [
+        "eager", "max-autotune", "resfuse", "resfuse+graphs"]
+    assert run._peer_list("", cuda=True, cuda_graphs=False) == ["eager", "resfuse"]
+    with pytest.raises(SystemExit, match="unknown peer"):
+        run._peer_list("eager,fast", cuda=False, cuda_graphs=None)
