@@ -17,7 +17,7 @@ JSON schema ("schema": "resfuse-bench/1"); every time is the median unless its n
   image_size int | null, seq int | null
   versions {python, torch, triton, transformers, torchvision, timm, cuda, cudnn, resfuse: str | null}
   timing {method: "cuda-events" | "perf_counter", iters int, warmup int, input_sets int}
-  ceilings {matmul_flops_per_s float, copy_bytes_per_s float, matmul_dtype str}
+  ceilings {matmul_flops_per_s float, copy_bytes_per_s float, matmul_dtype str, source "measured" | "given"}
   floor {ms float, flops int, bytes int, layers int, compute_bound_layers int,
          top_layers list[{name str, kind "compute"|"memory", flops int, bytes int, floor_us float, ops list[str]}],
          seconds_to_measure float}
@@ -71,10 +71,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--seq", type=int, default=384, help="sequence length of text models")
     parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--ceilings", metavar="FLOPS,BYTES", default=None,
+                        help="matmul FLOP/s and copy bytes/s to use instead of measuring them (e.g. 686e12,3.0e12)")
 
 
 def main(args: argparse.Namespace) -> int:
-    result = benchmark(args)
+    """Exit code: 0 when resfuse ran, 1 when it failed (the other peers still report), 2 for a bad model."""
+    try:
+        result = benchmark(args)
+    except (models.UnknownModel, models.MissingPackage, FileNotFoundError) as e:
+        print(f"resfuse bench: {e}", file=sys.stderr)
+        return 2
     return 0 if result["peers"]["resfuse"]["status"] == "ok" else 1
 
 
@@ -114,7 +121,7 @@ def benchmark(args: argparse.Namespace) -> dict:
     sets = timing.input_sets(inputs)
     result["timing"] = {"method": "cuda-events" if cuda else "perf_counter", "iters": iters,
                         "warmup": max(3, iters // 10), "input_sets": len(sets)}
-    _floor(result, model, inputs, device, DTYPES[dtype_name])
+    _floor(result, model, inputs, device, DTYPES[dtype_name], args)
     console.print(f"floor {result['floor']['ms']:.3f} ms over {result['floor']['layers']} layers")
 
     refs = timing.run_once(model, inputs)
@@ -204,12 +211,16 @@ def _speedups(result: dict) -> None:
             peer["speedup_of_resfuse"] = {v: peer["latency_ms"] / ms for v, ms in variants.items()}
 
 
-def _floor(result, model, inputs, device, dtype) -> None:
+def _floor(result, model, inputs, device, dtype, args) -> None:
     t0 = time.perf_counter()
-    ceilings = roofline.measure_ceilings(device, dtype if device.type == "cuda" else None)
+    if getattr(args, "ceilings", None):
+        ceilings = tuple(float(v) for v in args.ceilings.split(","))
+    else:
+        ceilings = roofline.measure_ceilings(device, dtype if device.type == "cuda" else None)
     seconds, layers = roofline.floor(model, inputs, ceilings)
     result["ceilings"] = {"matmul_flops_per_s": ceilings[0], "copy_bytes_per_s": ceilings[1],
-                          "matmul_dtype": str(dtype if device.type == "cuda" else torch.float32)}
+                          "matmul_dtype": str(dtype if device.type == "cuda" else torch.float32),
+                          "source": "given" if getattr(args, "ceilings", None) else "measured"}
     top = sorted(layers, key=lambda layer: layer.floor_s, reverse=True)[:10]
     result["floor"] = {
         "ms": seconds * 1e3, "flops": sum(layer.flops for layer in layers),

@@ -1,0 +1,129 @@
+"""GPU sweep for issue 5: `resfuse bench` over the issue's models and batch sizes, fp16 channels_last.
+
+Entry point: `python bench/models.py [--jobs resnet50:1,resnet50:32 ...] [--budget-s 540] [--out DIR]`.
+Runs on the GPU machine (CI never runs it). Each (model, batch) job is one `resfuse.bench.run.benchmark`
+call, i.e. eager, torch.compile (default and reduce-overhead), resfuse and resfuse+graphs in one process
+run. All results go to one JSON list, rewritten after every job so that a run cut off by its time limit
+still leaves what it measured; a compact table prints last.
+
+Jobs run in priority order (resnet50 at every batch first, then every model at bs32, then bs1, then bs256)
+and a job is started only while the time budget has room for one more like the last: a 10-minute device
+call cannot compile every model in every mode, so run it more than once with --jobs to cover the rest.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, no install needed
+
+from resfuse.bench import report, run  # noqa: E402
+
+MODELS = ["resnet50", "resnet18", "resnext50_32x4d", "wide_resnet50_2", "mobilenet_v3_large",
+          "efficientnet_b0", "convnext_tiny", "regnety_040", "hf-bert-base", "hf-vit-base"]
+BATCHES = (32, 1, 256)
+
+
+def default_jobs() -> list[tuple[str, int]]:
+    jobs = [("resnet50", b) for b in BATCHES]
+    for batch in BATCHES:
+        jobs += [(m, batch) for m in MODELS if m != "resnet50"]
+    return jobs
+
+
+def parse_jobs(spec: str) -> list[tuple[str, int]]:
+    jobs = []
+    for item in spec.split(","):
+        name, _, batch = item.strip().rpartition(":")
+        jobs.append((name, int(batch)))
+    return jobs
+
+
+def bench_args(name: str, batch: int, peers: str, iters: int, ceilings: str | None,
+               device: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    run.add_arguments(parser)
+    argv = [name, "--batch", str(batch), "--dtype", "fp16", "--device", device, "--peers", peers,
+            "--iters", str(iters), "--seq", "384", "--image-size", "224"]
+    if ceilings:
+        argv += ["--ceilings", ceilings]
+    args = parser.parse_args(argv)
+    args.argv = argv
+    return args
+
+
+def compact(results: list[dict]) -> str:
+    cols = ["eager", "compile", "reduce-overhead", "resfuse", "resfuse+graphs"]
+    head = (f"{'model':<20}{'bs':>4}{'floor':>8}" + "".join(f"{c[:9]:>10}" for c in cols)
+            + f"{'c/rf':>7}{'ro/rfg':>8}{'rf err':>9}  paths")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        if "error" in r:
+            lines.append(f"{r['model']:<20}{r['batch']:>4}  failed: {r['error'][:80]}")
+            continue
+        p = r["peers"]
+
+        def ms(name):
+            peer = p.get(name, {})
+            return peer.get("latency_ms") if peer.get("status") == "ok" else None
+
+        def ratio(a, b):
+            return f"{ms(a) / ms(b):.2f}" if ms(a) and ms(b) else "-"
+
+        cells = "".join(f"{ms(c):>10.3f}" if ms(c) else f"{p.get(c, {}).get('status', '-')[:9]:>10}"
+                        for c in cols)
+        err = p.get("resfuse", {}).get("max_rel_err")
+        paths = ",".join(f"{k}:{v}" for k, v in p.get("resfuse", {}).get("paths", {}).items()) or "-"
+        lines.append(f"{r['model']:<20}{r['batch']:>4}{r['floor']['ms']:>8.3f}{cells}"
+                     f"{ratio('compile', 'resfuse'):>7}{ratio('reduce-overhead', 'resfuse+graphs'):>8}"
+                     f"{err if err is None else format(err, '.1e'):>9}  {paths}")
+    lines.append("ms = median latency; c/rf = compile ms / resfuse ms; ro/rfg = reduce-overhead ms / "
+                 "resfuse+graphs ms (>1: resfuse faster); rf err = ||resfuse - eager|| / ||eager||")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--jobs", help="comma list of model:batch (default: the issue's sweep, prioritised)")
+    parser.add_argument("--peers", default="eager,compile,reduce-overhead")
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--budget-s", type=float, default=540.0, help="start no job past this (seconds)")
+    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
+    parser.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
+    opts = parser.parse_args()
+    jobs = parse_jobs(opts.jobs) if opts.jobs else default_jobs()
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: list[dict] = []
+    ceilings = None  # measured by the first job, then reused so every job shares one pair
+    start, last = time.perf_counter(), 0.0
+    for index, (name, batch) in enumerate(jobs):
+        elapsed = time.perf_counter() - start
+        if elapsed + last > opts.budget_s:
+            print(f"budget: skipped {', '.join(f'{m}:{b}' for m, b in jobs[index:])}", flush=True)
+            break
+        t0 = time.perf_counter()
+        print(f"\n=== {name} bs{batch} (t={elapsed:.0f}s) ===", flush=True)
+        try:
+            result = run.benchmark(bench_args(name, batch, opts.peers, opts.iters, ceilings, opts.device))
+            c = result["ceilings"]
+            ceilings = ceilings or f"{c['matmul_flops_per_s']},{c['copy_bytes_per_s']}"
+        except Exception as e:  # one model failing to load or trace must not end the sweep
+            traceback.print_exc()
+            result = {"model": name, "batch": batch, "error": f"{type(e).__name__}: {e}"}
+        result["job_s"] = last = time.perf_counter() - t0
+        results.append(result)
+        (out / "models.json").write_text(json.dumps(report._finite_or_none(results), indent=1))
+        if name == "resnet50" and batch == 32 and "error" not in result:
+            report.plot(result, out / "resnet50_bs32.png")
+    print("\n" + compact(results), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
