@@ -59,7 +59,10 @@ def _absorb(producer: fx.Node, other: fx.Node, add: fx.Node, ctx) -> str | None:
 
 
 def add_to_output(gm: fx.GraphModule, ctx) -> fx.GraphModule:
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    order, depth = {}, {}
+    for i, n in enumerate(gm.graph.nodes):
+        order[n] = i
+        depth[n] = 1 + max((depth[a] for a in n.all_input_nodes), default=0)
     for add in list(gm.graph.nodes):
         if add.op != "call_function" or add.target != aten.add.Tensor:
             continue
@@ -72,8 +75,8 @@ def add_to_output(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         if add.kwargs.get("alpha", 1) != 1:
             ctx.reject(add, f"add with alpha={add.kwargs['alpha']}")
             continue
-        # try the later producer first: the other operand is then already computed where the fused op goes
-        sides = sorted([(a, b), (b, a)], key=lambda s: -order.get(s[0], -1))
+        # try the deeper producer first (the main path of a residual block, not its shortcut), then the later
+        sides = sorted([(a, b), (b, a)], key=lambda s: (-depth.get(s[0], 0), -order.get(s[0], -1)))
         reasons = []
         for producer, other in sides:
             why = _refusal(producer, other, add) or _absorb(producer, other, add, ctx)

@@ -80,13 +80,13 @@ def _step(g: Group, node: fx.Node, ctx) -> tuple | str | None:
         name, params = UNARY[t](node)
         return epi.Op(name, (g.tree,), params), None, ()
     if t == BATCH_NORM and node.args[0] is cur:
-        getitems = list(node.users)
-        if any(u.args[1] != 0 for u in getitems) or len(getitems) != 1:
+        outs = [u for u in node.users if u.args[1] == 0]
+        if len(outs) != 1 or any(u.users for u in node.users if u.args[1] != 0):
             return "batch norm's saved statistics are used"
         _, w, b, mean, var, _, eps = node.args[:7]
         vecs = [g.operand(v, "c") if v is not None else epi.Const(c) for v, c in ((mean, 0.0), (var, 1.0),
                                                                                   (w, 1.0), (b, 0.0))]
-        return epi.Op("bn", (g.tree, *vecs), (float(eps),)), getitems[0], (getitems[0],)
+        return epi.Op("bn", (g.tree, *vecs), (float(eps),)), outs[0], tuple(node.users)
     if t in BINARY:
         name = BINARY[t]
         a, b = node.args[:2]

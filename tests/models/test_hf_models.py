@@ -1,0 +1,59 @@
+"""Real third-party models (HF transformers, random weights) compiled with resfuse against eager, on CPU."""
+import pytest
+import torch
+import transformers
+
+import resfuse
+
+pytestmark = pytest.mark.slow
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def compile_and_compare(model, *inputs):
+    torch._dynamo.reset()
+    compiled = resfuse.compile(model)
+    with torch.no_grad():
+        out, ref = compiled(*inputs), model(*inputs)
+    out, ref = (out.logits, ref.logits) if hasattr(out, "logits") else (out.last_hidden_state, ref.last_hidden_state)
+    return compiled.resfuse_report, rel(out, ref)
+
+
+def test_resnet50_fuses_every_conv_bn_and_residual():
+    torch.manual_seed(0)
+    model = transformers.ResNetForImageClassification(transformers.ResNetConfig()).eval()
+    report, err = compile_and_compare(model, torch.randn(2, 3, 64, 64))
+    assert err <= 1e-4
+    convs = [f for f in report.fusions if f.anchor == "conv2d"]
+    assert len(convs) == 53 and all(f.ops[0] == "bn" for f in convs)
+    tails = [f for f in convs if f.ops == ["bn", "add", "relu"]]
+    assert len(tails) == 16
+    # the add goes into the last conv of each bottleneck (the 1x1 expansion), never into the shortcut
+    assert all(f.shapes["inputs"][1][2:] == (1, 1) and f.shapes["inputs"][1][0] == 4 * f.shapes["inputs"][1][1]
+               for f in tails)
+    assert report.rejected == [] and {f.ran for f in report.fusions} == {"reference"}
+
+
+def test_bert_base_fuses_biases_gelu_and_residual_adds():
+    torch.manual_seed(0)
+    model = transformers.BertModel(transformers.BertConfig()).eval()
+    report, err = compile_and_compare(model, torch.randint(0, 1000, (2, 12)))
+    assert err <= 1e-4
+    gemms = [f for f in report.fusions if f.anchor == "gemm"]
+    assert len(gemms) == 12 * 6 + 1 and all(f.ops[0] == "bias" for f in gemms)  # every linear, plus the pooler
+    assert sum(f.ops == ["bias", "gelu"] for f in gemms) == 12
+    assert sum(f.ops == ["bias", "add"] for f in gemms) == 24  # attention output and FFN output projections
+    assert all("embedding" in r.reason for r in report.rejected)
+
+
+def test_convnext_tiny_fuses_pointwise_chains_and_reports_depthwise():
+    torch.manual_seed(0)
+    model = transformers.ConvNextModel(transformers.ConvNextConfig()).eval()
+    report, err = compile_and_compare(model, torch.randn(1, 3, 64, 64))
+    assert err <= 1e-4
+    assert sum(f.ops == ["bias", "gelu"] for f in report.fusions) == 18  # every block's MLP up-projection
+    assert sum(f.ops == ["bias", "mul"] for f in report.fusions) == 18  # down-projection with layer scale
+    depthwise = [r for r in report.rejected if "groups=" in r.reason]
+    assert len(depthwise) == 18

@@ -1,0 +1,135 @@
+"""Public API: the backend by name, resfuse.compile, switches, fallbacks for bad input, channels_last."""
+import pytest
+import torch
+import torch.nn as nn
+
+import resfuse
+
+
+class Block(nn.Module):
+    """A bottleneck-style block: conv-bn-relu, conv-bn, + shortcut conv-bn, relu; then a linear head."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.c2, self.b2 = nn.Conv2d(c, 2 * c, 1, bias=False), nn.BatchNorm2d(2 * c)
+        self.cs, self.bs = nn.Conv2d(c, 2 * c, 1, stride=1, bias=False), nn.BatchNorm2d(2 * c)
+        self.fc = nn.Linear(2 * c, 5)
+        for bn in (self.b1, self.b2, self.bs):
+            bn.running_mean.normal_(), bn.running_var.uniform_(0.5, 1.5), bn.weight.data.normal_()
+
+    def forward(self, x):
+        y = self.b2(self.c2(torch.relu(self.b1(self.c1(x)))))
+        y = torch.relu(y + self.bs(self.cs(x)))
+        return torch.relu(self.fc(y.mean((2, 3))))
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture
+def block():
+    torch.manual_seed(0)
+    return Block().eval()
+
+
+def test_backend_by_name_matches_eager(block):
+    x = torch.randn(2, 8, 9, 7)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out, ref = torch.compile(block, backend="resfuse")(x), block(x)
+    assert rel(out, ref) < 1e-5
+    report = resfuse.last_report()
+    assert sorted(f.pattern for f in report.fusions) == ["conv2d_bn", "conv2d_bn_add_relu", "conv2d_bn_relu",
+                                                         "gemm_bias_relu"]
+    assert {f.ran for f in report.fusions} == {"reference"}
+
+
+@pytest.mark.parametrize("epilogue", [True, False])
+@pytest.mark.parametrize("add_to_output", [True, False])
+def test_switches_change_the_graph_not_the_result(block, epilogue, add_to_output):
+    x = torch.randn(2, 8, 9, 7)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(block, fuse_epilogue=epilogue, fuse_add_to_output=add_to_output)
+    with torch.no_grad():
+        assert rel(compiled(x), block(x)) < 1e-5
+    patterns = sorted(f.pattern for f in compiled.resfuse_report.fusions)
+    expected = {(True, True): ["conv2d_bn", "conv2d_bn_add_relu", "conv2d_bn_relu", "gemm_bias_relu"],
+                (True, False): ["conv2d_bn", "conv2d_bn", "conv2d_bn_relu", "gemm_bias_relu"],
+                (False, True): [], (False, False): []}[(epilogue, add_to_output)]
+    assert patterns == expected
+    if not add_to_output:
+        assert any("fuse_add_to_output is off" in r.reason for r in compiled.resfuse_report.rejected)
+
+
+def test_add_to_output_alone_turns_mm_into_addmm():
+    a, b, r = torch.randn(5, 6), torch.randn(6, 4), torch.randn(5, 4)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(lambda a, b, r: torch.mm(a, b) + r, fuse_epilogue=False)
+    torch.testing.assert_close(compiled(a, b, r), a @ b + r)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64])
+def test_unsupported_dtype_falls_back_and_is_reported(dtype):
+    torch._dynamo.reset()
+    if dtype.is_floating_point:
+        m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval().to(dtype)
+        x = torch.randn(1, 3, 6, 6, dtype=dtype)
+        fn = m
+    else:
+        x = torch.randint(-5, 5, (4, 4))
+        fn = lambda x: torch.relu(torch.mm(x, x))  # noqa: E731
+    compiled = resfuse.compile(fn)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), fn(x)) if not dtype.is_floating_point else rel(compiled(x), fn(x)) < 1e-12
+    report = compiled.resfuse_report
+    assert report.fusions == [] and any("not supported" in r.reason for r in report.rejected)
+
+
+def test_dynamic_shapes_fall_back_and_are_reported(block):
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="resfuse", dynamic=True)
+    with torch.no_grad():
+        for h in (9, 11):
+            x = torch.randn(2, 8, h, 7)
+            assert rel(compiled(x), block(x)) < 1e-5
+    assert any("dynamic shape" in r.reason for r in resfuse.last_report().rejected)
+
+
+def test_channels_last_survives_without_layout_conversions(block):
+    import functools
+
+    from torch._dynamo.backends.common import aot_autograd
+
+    from resfuse.capture.backend import compile_graph
+    from resfuse.config import Config
+    from resfuse.passes.report import Report
+
+    block = block.to(memory_format=torch.channels_last)
+    x = torch.randn(2, 8, 9, 7).to(memory_format=torch.channels_last)
+    captured = []
+
+    def inference(gm, inputs):
+        captured.append(compile_graph(gm, inputs, config=Config(), graph="inference", report=Report()))
+        return captured[-1]
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(block, backend=aot_autograd(fw_compiler=inference, inference_compiler=inference))(x)
+    assert rel(out, block(x)) < 1e-5
+    (gm,) = captured
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert not any("clone" in t or "contiguous" in t or "_to_copy" in t for t in targets), targets
+    convs = [n for n in gm.graph.nodes if n.target == torch.ops.resfuse.conv2d.default]
+    assert len(convs) == 3 and all(n.meta["val"].is_contiguous(memory_format=torch.channels_last) for n in convs)
+
+
+def test_explain_reports_without_running_fused_ops(block):
+    x = torch.randn(2, 8, 9, 7)
+    report = resfuse.explain(block, x)
+    assert len(report.fusions) == 4 and {f.ran for f in report.fusions} == {"not run"}
+    add = next(f for f in report.fusions if "add" in f.ops)
+    assert add.ops == ["bn", "add", "relu"] and add.anchor == "conv2d"
+    assert add.bytes_saved == 6 * 2 * 16 * 9 * 7 * 4  # bn 2N + add 3N + relu 2N, minus the residual read N
+    assert "conv2d_bn_add_relu" in str(report)

@@ -1,0 +1,32 @@
+"""The resfuse:: custom ops: schema, fake implementation and reference path (torch.library.opcheck)."""
+import torch
+import torch.nn.functional as F
+
+import resfuse  # noqa: F401
+from resfuse import epilogue as epi
+from resfuse.ops import PATHS
+
+BN_RELU_ADD = "relu(add(bn[#1e-05](acc,c0,c1,c2,c3),full4))"
+
+
+def test_conv2d_op_matches_unfused_and_passes_opcheck():
+    x = torch.randn(2, 5, 7, 9).to(memory_format=torch.channels_last)
+    w = torch.randn(6, 5, 3, 3).to(memory_format=torch.channels_last)
+    mean, var, g, b = torch.randn(6), torch.rand(6) + 0.5, torch.randn(6), torch.randn(6)
+    r = torch.randn(2, 6, 4, 5).to(memory_format=torch.channels_last)
+    args = (x, w, [mean, var, g, b, r], BN_RELU_ADD, [2, 2], [1, 1], [1, 1], "aten")
+    out = torch.ops.resfuse.conv2d(*args)
+    y = F.batch_norm(F.conv2d(x, w, stride=2, padding=1), mean, var, g, b, eps=1e-5)
+    torch.testing.assert_close(out, torch.relu(y + r), rtol=1e-5, atol=1e-5)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    assert PATHS[("conv2d", BN_RELU_ADD, "reference")] >= 1
+    torch.library.opcheck(torch.ops.resfuse.conv2d.default, args)
+
+
+def test_gemm_op_with_view_output_passes_opcheck():
+    a, b, bias, r = torch.randn(6, 8), torch.randn(8, 5), torch.randn(5), torch.randn(2, 3, 5)
+    sig = str(epi.Op("add", (epi.Op("add", (epi.ACC, epi.Operand(0, "c"))), epi.Operand(1, "full"))))
+    args = (a, b, [bias, r], sig, [2, 3, 5], "aten")
+    out = torch.ops.resfuse.gemm(*args)
+    torch.testing.assert_close(out, (a @ b + bias).view(2, 3, 5) + r)
+    torch.library.opcheck(torch.ops.resfuse.gemm.default, args)
