@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .. import epilogue as epi
 
-TEMPLATE_VERSION = 1  # bump when the generated glue or a mainloop's calling convention changes
+TEMPLATE_VERSION = 2  # bump when the generated glue or a mainloop's calling convention changes
 
 _LOADED: dict[tuple[str, str], object] = {}
 _LOCK = threading.Lock()

@@ -55,6 +55,27 @@ def _precision(dtype: torch.dtype) -> str:
     return "tf32" if dtype == torch.float32 else "ieee"
 
 
+def _gemm_out_view(out: torch.Tensor, batched: bool, m: int, n: int) -> tuple[int, int, int, int, int]:
+    """(rows per sample, batch, sample, row and column strides) of `out` as the kernel writes it.
+
+    `out` is the product's shape, or (for an [M, K] @ [K, N]) a view of it that keeps the last dim, such as
+    the [B, S, N] of a linear layer; the epilogue's samples are then out.shape[0] (see epilogue.rows3).
+    """
+    if batched:
+        if out.dim() != 3:
+            raise NotImplementedError(f"a batched gemm writes a [B, M, N] output, got {tuple(out.shape)}")
+        return m, out.stride(0), 0, out.stride(1), out.stride(2)
+    if out.dim() == 2:
+        return m, 0, 0, out.stride(0), out.stride(1)
+    samples = out.shape[0]
+    try:
+        o3 = out.view(samples, m // samples, n)
+    except RuntimeError as e:
+        raise NotImplementedError(f"gemm output {tuple(out.shape)} with strides {out.stride()} is not a "
+                                  f"[samples, rows, N] view") from e
+    return m // samples, 0, o3.stride(0), o3.stride(1), o3.stride(2)
+
+
 def gemm(a: torch.Tensor, b: torch.Tensor, operands, signature: str, out: torch.Tensor) -> torch.Tensor:
     _check_inputs(a, b, out)
     if a.dim() not in (2, 3) or b.dim() not in (2, 3) or b.dim() > a.dim():
@@ -67,15 +88,15 @@ def gemm(a: torch.Tensor, b: torch.Tensor, operands, signature: str, out: torch.
     n = b.shape[-1]
     s_ab = a.stride(0) if a.dim() == 3 else 0
     s_bb = b.stride(0) if b.dim() == 3 else 0  # a 2-D B is shared by every batch
-    s_ob, s_om, s_on = out.stride() if out.dim() == 3 else (0, *out.stride())
+    rps, s_ob, s_os, s_om, s_on = _gemm_out_view(out, a.dim() == 3, m, n)
     cfg = gemm_config(GemmProblem(batch, m, n, k, a.element_size(), _sms(a.device)))
     split = _split(cfg.split_k)
     tiles_mn = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     ws, tickets = split_k.buffers(a.device, tiles_mn * batch, split, cfg.block_m, cfg.block_n)
     kernel = codegen.load(GEMM_FAMILY, signature)
     kernel[(tiles_mn, batch, split)](
-        out, ws, tickets, a, b, m, n, k, s_ab, a.stride(-2), a.stride(-1), s_bb, b.stride(-2), b.stride(-1),
-        s_ob, s_om, s_on, *_operand_args(signature, operands, out.shape, -1),
+        out, ws, tickets, a, b, m, n, k, rps, s_ab, a.stride(-2), a.stride(-1), s_bb, b.stride(-2), b.stride(-1),
+        s_ob, s_os, s_om, s_on, *_operand_args(signature, operands, out.shape, -1),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split,
         EVEN_K=k % cfg.block_k == 0, PRECISION=_precision(a.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

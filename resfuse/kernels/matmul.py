@@ -20,10 +20,14 @@ from .tiles import cdiv, k_range, mma, swizzle_tile
 
 
 @triton.jit
-def gemm_mainloop(a, b, M, N, K, s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_ob, s_om,
+def gemm_mainloop(a, b, M, N, K, RPS, s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_ob, s_os, s_om,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                   SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
-    """One program's fp32 partial product over its split of K, plus the indices the epilogue needs."""
+    """One program's fp32 partial product over its split of K, plus the indices the epilogue needs.
+
+    The output may see each batch's M rows as M // RPS samples of RPS rows (a linear layer's [B*S, N]
+    product written as [B, S, N]); s_os is the output's sample stride. Plain mm/bmm: RPS = M, s_os = 0.
+    """
     pid = tl.program_id(0)
     batch = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -54,14 +58,16 @@ def gemm_mainloop(a, b, M, N, K, s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_ob, s_om,
         a_ptrs += BK * s_ak
         b_ptrs += BK * s_bk
     tile = batch * tiles_m * tiles_n + pid
-    s_idx = tl.zeros((BM,), dtype=tl.int32) + batch
-    out_rows = batch * s_ob + offs_m * s_om
-    return acc, tile, pid_k, s_idx, offs_m, offs_m < M, out_rows, offs_n
+    sample = offs_m // RPS
+    p_idx = offs_m % RPS
+    s_idx = batch * (M // RPS) + sample
+    out_rows = batch * s_ob + sample * s_os + p_idx * s_om
+    return acc, tile, pid_k, s_idx, p_idx, offs_m < M, out_rows, offs_n
 
 
 FAMILY = Family(
     name="gemm", module=__name__, mainloop="gemm_mainloop",
-    args=("a", "b", "M", "N", "K", "s_ab", "s_am", "s_ak", "s_bb", "s_bk", "s_bn", "s_ob", "s_om"),
+    args=("a", "b", "M", "N", "K", "RPS", "s_ab", "s_am", "s_ak", "s_bb", "s_bk", "s_bn", "s_ob", "s_os", "s_om"),
     constexprs=("BM", "BN", "BK", "GROUP_M", "SPLIT_K", "EVEN_K", "PRECISION"),
     n_cols="N", s_out_c="s_on",
 )

@@ -1,0 +1,1 @@
+"""Kernel numerics tests (run under the interpreter; see conftest.py)."""

@@ -1,0 +1,125 @@
+"""Test helpers: random epilogue trees (hypothesis), operand tensors for them, and float64 references.
+
+Entry points: `forced_split(n)` (a context manager), `trees()` (a strategy of (tree, slot roles)), `make_operand(role, kind, out_shape, channel_dim)`,
+`reference(acc64, tree, operands, channel_dim)` and `assert_close(out, ref, dtype)`.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from hypothesis import strategies as st
+
+from resfuse import epilogue as epi
+from resfuse import kernels
+from resfuse.epilogue import ACC, Const, Op, Operand
+
+UNARY = sorted(n for n, s in epi.OPS.items() if s.arity == 1)
+ARITH = ("add", "sub", "mul", "div")
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _unary(draw, node):
+    name = draw(st.sampled_from(UNARY))
+    if name == "leaky_relu":
+        return Op(name, (node,), (draw(st.sampled_from([0.01, 0.1, 0.2])),))
+    if name == "clamp":
+        lo = draw(st.sampled_from([-math.inf, -1.0, -0.25, 0.0]))
+        hi = draw(st.sampled_from([math.inf, 0.5, 1.0, 6.0]))
+        return Op(name, (node,), (lo, hi))
+    return Op(name, (node,))
+
+
+@st.composite
+def trees(draw, kinds=("c", "nc", "full"), max_steps=4):
+    """A random epilogue over acc, and each operand slot's role: "any", "positive" or "denominator"."""
+    node, roles = ACC, []
+
+    def operand(kind, role):
+        roles.append((kind, role))
+        return Operand(len(roles) - 1, kind)
+
+    for _ in range(draw(st.integers(1, max_steps))):
+        step = draw(st.sampled_from(["unary", "binary", "binary", "bn"]))
+        if step == "unary":
+            node = _unary(draw, node)
+        elif step == "bn":
+            args = (operand("c", "any"), operand("c", "positive"), operand("c", "any"), operand("c", "any"))
+            node = Op("bn", (node, *args), (draw(st.sampled_from([1e-5, 1e-3])),))
+        else:
+            name = draw(st.sampled_from(ARITH))
+            if draw(st.booleans()):
+                other = Const(draw(st.sampled_from([0.5, -1.5, 3.0])))
+            else:
+                other = operand(draw(st.sampled_from(kinds)), "denominator" if name == "div" else "any")
+            # acc-side / operand only for div: operand / acc-side could divide by ~0
+            swap = name != "div" and draw(st.booleans())
+            node = Op(name, (other, node) if swap else (node, other))
+    return node, roles
+
+
+def _values(shape, role, dtype):
+    if role == "positive":
+        v = torch.rand(shape) + 0.5
+    elif role == "denominator":
+        v = (torch.rand(shape) * 1.5 + 0.5) * (torch.randint(0, 2, shape) * 2 - 1)
+    else:
+        v = torch.randn(shape)
+    return v.to(dtype)
+
+
+def make_operand(role: str, kind: str, out_shape, channel_dim: int, dtype, layout: int = 0) -> torch.Tensor:
+    """A tensor broadcastable to out_shape that has the [S, P, C] structure of `kind`.
+
+    `layout` picks the strides of a full tensor: 0 contiguous, 1 channels-last/transposed, 2 strided slice.
+    """
+    ndim = len(out_shape)
+    cdim = channel_dim % ndim
+    if kind == "c":
+        shape = [1] * ndim
+        shape[cdim] = out_shape[cdim]
+        if ndim == 4 and layout % 2:
+            shape = shape[1:]  # [C, 1, 1], the common conv-bias form
+        return _values(shape, role, dtype)
+    if kind == "nc":
+        shape = [1] * ndim
+        shape[0], shape[cdim] = out_shape[0], out_shape[cdim]
+        return _values(shape, role, dtype)
+    if layout == 0:
+        return _values(list(out_shape), role, dtype)
+    if layout == 1:  # channels innermost for conv, column-major for gemm
+        perm = list(range(ndim))
+        perm.remove(cdim)
+        perm.append(cdim) if ndim == 4 else perm.insert(len(perm) - 1, cdim)
+        base = _values([out_shape[i] for i in perm], role, dtype)
+        return base.permute([perm.index(i) for i in range(ndim)])
+    big = _values([s * 2 if i == ndim - 1 else s for i, s in enumerate(out_shape)], role, dtype)
+    return big[..., ::2]
+
+
+def reference(acc64: torch.Tensor, tree, operands, channel_dim: int) -> torch.Tensor:
+    """The epilogue in float64 on a float64 accumulator, as [S, P, C]."""
+    acc3 = epi.rows3(acc64, acc64.shape, channel_dim)
+    ops3 = [epi.rows3(t.double(), acc64.shape, channel_dim) for t in operands]
+    return epi.reference(tree, acc3, ops3)
+
+
+def assert_close(out3: torch.Tensor, ref3: torch.Tensor, dtype) -> None:
+    assert not torch.isnan(out3).any(), "unwritten (NaN-poisoned) or NaN output"
+    err = (out3.double() - ref3).abs()
+    bound = TOL[dtype] * (1.0 + ref3.abs())
+    bad = err > bound
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} elements off; worst error "
+                           f"{float(err.max()):.3g}, tol {TOL[dtype]}")
+
+
+@contextlib.contextmanager
+def forced_split(value):
+    """kernels.options()['split_k'] = value inside the block (a context, since hypothesis reruns the body)."""
+    before = kernels.options()["split_k"]
+    kernels.set_options(split_k=value)
+    try:
+        yield
+    finally:
+        kernels.set_options(split_k=before)

@@ -1,0 +1,88 @@
+"""GEMM kernel numerics under the interpreter: random epilogues, strides, dtypes, batch and split-K."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from resfuse import kernels
+from resfuse.kernels import launch
+
+from resfuse import epilogue as epi
+
+from .epilogues import assert_close, forced_split, make_operand, reference, trees
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _matrix(shape, dtype, col_major):
+    """A random [.., R, C] tensor, stored row- or column-major."""
+    if col_major:
+        return torch.randn(*shape[:-2], shape[-1], shape[-2]).to(dtype).transpose(-1, -2)
+    return torch.randn(shape).to(dtype)
+
+
+def run_gemm(a, b, tree, operands):
+    shape = [*a.shape[:-1], b.shape[-1]]
+    out = torch.full(shape, float("nan"), dtype=a.dtype)  # poison: every element must be written
+    return launch.gemm(a, b, operands, str(tree), out)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from(DTYPES), batch=st.sampled_from([0, 0, 2]),
+       m=st.integers(1, 70), n=st.integers(1, 70), k=st.integers(1, 90),
+       a_cm=st.booleans(), b_cm=st.booleans(), split=st.sampled_from([1, 1, 2, 3, 5]))
+def test_gemm_epilogues(data, dtype, batch, m, n, k, a_cm, b_cm, split):
+    kinds = ("c", "nc", "full") if batch else ("c", "full")  # an mm output has one sample: nc is c
+    tree, roles = data.draw(trees(kinds=kinds))
+    lead = [batch] if batch else []
+    a = _matrix([*lead, m, k], dtype, a_cm)
+    b = _matrix([*lead, k, n], dtype, b_cm) / k ** 0.5
+    out_shape = [*lead, m, n]
+    layouts = data.draw(st.lists(st.integers(0, 2), min_size=len(roles), max_size=len(roles)))
+    operands = [make_operand(role, kind, out_shape, -1, dtype, lay) for (kind, role), lay in zip(roles, layouts)]
+    with forced_split(split):
+        out = run_gemm(a, b, tree, operands)
+    acc = torch.matmul(a.double(), b.double())
+    ref = reference(acc, tree, operands, -1)
+    assert_close(epi.rows3(out, out.shape, -1), ref, dtype)
+
+
+def test_gemm_shared_b_across_batch():
+    a = torch.randn(3, 20, 33)
+    b = torch.randn(33, 17)
+    bias = torch.randn(17)
+    out = torch.full((3, 20, 17), float("nan"))
+    with forced_split(2):
+        launch.gemm(a, b, [bias], "silu(add(acc,c0))", out)
+    ref = torch.nn.functional.silu(a.double() @ b.double() + bias.double())
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_gemm_writes_through_output_strides():
+    a, b = torch.randn(19, 24), torch.randn(24, 21)
+    storage = torch.full((21, 40), float("nan"))
+    out = storage[:, :19].t()  # column-major, padded
+    launch.gemm(a, b, [], "relu(acc)", out)
+    torch.testing.assert_close(out.double(), torch.relu(a.double() @ b.double()), rtol=1e-4, atol=1e-4)
+    assert torch.isnan(storage[:, 19:]).all(), "wrote outside the output view"
+
+
+def test_gemm_rejects_mixed_dtypes():
+    with pytest.raises(TypeError):
+        launch.gemm(torch.randn(4, 4), torch.randn(4, 4).half(), [], "acc", torch.empty(4, 4))
+    assert kernels.options()["interpret"]
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_linear_layer_product_written_as_batch_seq_channels(split):
+    # [B*S, K] @ [K, N] written into [B, S, N]; per-(sample, channel) and strided full operands index by (b, s)
+    a, b = torch.randn(3 * 7, 30), torch.randn(30, 26) / 6
+    nc = torch.randn(3, 1, 26)
+    full = torch.randn(26, 7, 3).permute(2, 1, 0)
+    out = torch.full((3, 7, 26), float("nan"))
+    sig = "mul(gelu(add(acc,nc0)),full1)"
+    with forced_split(split):
+        launch.gemm(a, b, [nc, full], sig, out)
+    ref = reference((a.double() @ b.double()).view(3, 7, 26), epi.parse(sig), [nc, full], -1)
+    assert_close(epi.rows3(out, out.shape, -1), ref, torch.float32)
+    via_op = torch.ops.resfuse.gemm(a, b, [nc, full], sig, [3, 7, 26], "triton")
+    assert_close(epi.rows3(via_op, via_op.shape, -1), ref, torch.float32)
