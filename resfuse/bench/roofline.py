@@ -11,7 +11,9 @@ How layers are found. One eager forward runs under a TorchDispatchMode that sees
 tensor from the op that produced it to the ops that read it. Ops are then grouped as a fully fusing
 compiler would group them:
 - an anchor (convolution, mm/addmm/bmm/baddbmm, scaled-dot-product attention: the ops FlopCounterMode
-  counts) starts a compute layer;
+  counts) starts a compute layer; a whole `F.scaled_dot_product_attention` call is one anchor (seen
+  through a TorchFunctionMode), so a decomposed math path is charged like a fused flash kernel: Q, K, V
+  (and a mask) read, the output written, the attention matrix never stored;
 - an elementwise op (ATen's `pointwise` tag, batch norm in inference, dtype/layout copies) joins the
   layer that produced its most recently produced input: it is the anchor's epilogue, including a
   residual add (add-to-output), whose other operand becomes one more input of that layer;
@@ -34,6 +36,8 @@ import time
 from collections import defaultdict
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
@@ -96,6 +100,7 @@ class _Tracer(TorchDispatchMode):
         self.producer: dict[int, int] = {}  # value id -> group index; absent for inputs and weights
         self.readers: dict[int, set[int]] = defaultdict(set)  # value id -> groups reading it
         self.groups: list[_Group] = []
+        self.region: int | None = None  # a group that every op joins while an attention call runs
 
     def _new_value(self, t: torch.Tensor, group: int | None, nbytes: int | None = None) -> int:
         vid = len(self.size)
@@ -144,6 +149,10 @@ class _Tracer(TorchDispatchMode):
                 self._new_value(t, self.producer.get(base_vid), nbytes=_nbytes(t))
 
     def _group_for(self, func, packet, in_values, args, kwargs, out) -> int:
+        if self.region is not None:
+            self.groups[self.region].layer.flops += int(_FLOPS[packet](*args, **kwargs, out_val=out)) \
+                if packet in _FLOPS else 0
+            return self.region
         if packet in _FLOPS:
             flops = int(_FLOPS[packet](*args, **kwargs, out_val=out))
             return self._open(Layer(_describe(packet, out), "compute", flops=flops))
@@ -178,10 +187,34 @@ def _describe(packet, out) -> str:
     return f"{str(packet).removeprefix('aten.')} -> {shape}"
 
 
+class _Attention(TorchFunctionMode):
+    """Make each scaled_dot_product_attention call one layer, whatever kernel runs it.
+
+    It is a composite op: on some devices and dtypes it decomposes into bmm, softmax, bmm, which would
+    charge the floor for an attention matrix that a fused (flash) kernel never writes to memory."""
+
+    def __init__(self, tracer: _Tracer):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention or self.tracer.region is not None:
+            return func(*args, **kwargs)
+        tracer = self.tracer
+        tracer.region = tracer._open(Layer("scaled_dot_product_attention", "compute"))
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            layer, tracer.region = tracer.groups[tracer.region].layer, None
+        layer.name = _describe("scaled_dot_product_attention", out)
+        return out
+
+
 def trace_layers(model: torch.nn.Module, inputs: tuple) -> list[Layer]:
     """Group one forward's ATen ops into layers with FLOPs and minimal bytes (no timing)."""
     tracer = _Tracer()
-    with torch.no_grad(), tracer:
+    with torch.no_grad(), _Attention(tracer), tracer:
         out = model(*inputs)
     return tracer.finish(out)
 

@@ -88,3 +88,16 @@ def test_floor_sums_layers():
 def test_measure_ceilings_on_cpu_is_positive():
     flops_per_s, bytes_per_s = roofline.measure_ceilings("cpu", repeats=2)
     assert flops_per_s > 1e6 and bytes_per_s > 1e6
+
+
+def test_attention_is_one_layer_without_the_score_matrix():
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    mask = torch.zeros(16, 16).masked_fill(torch.rand(16, 16) > 0.5, float("-inf")).fill_diagonal_(0)
+
+    class Attention(nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # a mask may force the math path
+
+    (layer,) = roofline.trace_layers(Attention(), (q, k, v))
+    assert layer.kind == "compute"
+    assert layer.bytes == F32 * (4 * 1 * 2 * 16 * 8 + 16 * 16)  # q, k, v, out and the mask: no 16x16 scores
