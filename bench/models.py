@@ -81,7 +81,7 @@ def compact(results: list[dict]) -> str:
         paths = ",".join(f"{k}:{v}" for k, v in p.get("resfuse", {}).get("paths", {}).items()) or "-"
         lines.append(f"{r['model']:<20}{r['batch']:>4}{r['floor']['ms']:>8.3f}{cells}"
                      f"{ratio('compile', 'resfuse'):>7}{ratio('reduce-overhead', 'resfuse+graphs'):>8}"
-                     f"{err if err is None else format(err, '.1e'):>9}  {paths}")
+                     f"{'-' if err is None else format(err, '.1e'):>9}  {paths}")
     lines.append("ms = median latency; c/rf = compile ms / resfuse ms; ro/rfg = reduce-overhead ms / "
                  "resfuse+graphs ms (>1: resfuse faster); rf err = ||resfuse - eager|| / ||eager||")
     return "\n".join(lines)
