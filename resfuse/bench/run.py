@@ -16,7 +16,7 @@ JSON schema ("schema": "resfuse-bench/1"); every time is the median unless its n
   batch int, dtype str ("fp16" | "bf16" | "fp32"), device str, device_name str, channels_last bool,
   image_size int | null, seq int | null
   versions {python, torch, triton, transformers, torchvision, timm, cuda, cudnn, resfuse: str | null}
-  timing {method: "cuda-events" | "perf_counter", iters int, warmup int, input_sets int}
+  timing {method: "cuda-events" | "perf_counter", iters int, warmup int, input_sets int, cudnn_benchmark bool}
   ceilings {matmul_flops_per_s float, copy_bytes_per_s float, matmul_dtype str, source "measured" | "given"}
   floor {ms float, flops int, bytes int, layers int, compute_bound_layers int,
          top_layers list[{name str, kind "compute"|"memory", flops int, bytes int, floor_us float, ops list[str]}],
@@ -71,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--seq", type=int, default=384, help="sequence length of text models")
     parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--cudnn-benchmark", action=argparse.BooleanOptionalAction, default=True,
+                        help="let cuDNN pick conv algorithms by timing (every peer's convs use cuDNN)")
     parser.add_argument("--ceilings", metavar="FLOPS,BYTES", default=None,
                         help="matmul FLOP/s and copy bytes/s to use instead of measuring them (e.g. 686e12,3.0e12)")
 
@@ -116,11 +118,14 @@ def benchmark(args: argparse.Namespace) -> dict:
     for note in notes:
         console.print(f"[yellow]note:[/yellow] {note}")
 
+    # Without it eager (and every cuDNN conv any peer falls back to) runs heuristic algorithms.
+    torch.backends.cudnn.benchmark = bool(getattr(args, "cudnn_benchmark", True))
     model, inputs = models.load(args.model, args.batch, DTYPES[dtype_name], device,
                                 channels_last=args.channels_last, image_size=args.image_size, seq=args.seq)
     sets = timing.input_sets(inputs)
     result["timing"] = {"method": "cuda-events" if cuda else "perf_counter", "iters": iters,
-                        "warmup": max(3, iters // 10), "input_sets": len(sets)}
+                        "warmup": max(3, iters // 10), "input_sets": len(sets),
+                        "cudnn_benchmark": torch.backends.cudnn.benchmark}
     _floor(result, model, inputs, device, DTYPES[dtype_name], args)
     console.print(f"floor {result['floor']['ms']:.3f} ms over {result['floor']['layers']} layers")
 
