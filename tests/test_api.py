@@ -43,7 +43,7 @@ def test_backend_by_name_matches_eager(block):
     report = resfuse.last_report()
     assert sorted(f.pattern for f in report.fusions) == ["conv2d_bn", "conv2d_bn_add_relu", "conv2d_bn_relu",
                                                          "gemm_bias_relu"]
-    assert {f.ran for f in report.fusions} == {"reference"}
+    assert {f.ran for f in report.fusions} == {"reference"} and {f.provider for f in report.fusions} == {"aten"}
 
 
 @pytest.mark.parametrize("epilogue", [True, False])

@@ -43,7 +43,11 @@ def compile_graph(gm: fx.GraphModule, example_inputs, *, config: Config, graph: 
 
 
 def make_backend(config: Config, report: Report, run_graph: bool = True):
-    kernels.set_options(interpret=config.interpret, cache_dir=config.cache_dir, split_k=config.split_k)
+    # The interpreter is a process-wide Triton mode: a config can turn it on, never off again. Without it,
+    # fused ops on CPU tensors take the reference path (PassContext.provider_for).
+    kernels.set_options(cache_dir=config.cache_dir, split_k=config.split_k)
+    if config.interpret:
+        kernels.set_options(interpret=True)
     step = functools.partial(compile_graph, config=config, report=report, run_graph=run_graph)
     return aot_autograd(fw_compiler=functools.partial(step, graph="forward"),
                         bw_compiler=functools.partial(step, graph="backward"),

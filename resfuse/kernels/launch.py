@@ -37,8 +37,7 @@ def _check_inputs(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> None:
 def _operand_args(signature: str, operands, out_shape, channel_dim: int) -> list:
     """Pointer and [S, P, C] strides for each operand slot the epilogue reads, in triton_params order."""
     args = []
-    for o in epi.operands(epi.parse(signature)):
-        t3 = epi.rows3(operands[o.slot], out_shape, channel_dim)
+    for t3 in epi.operand_views(epi.parse(signature), operands, out_shape, channel_dim):
         args += [t3, *t3.stride()]
     return args
 

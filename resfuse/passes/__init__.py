@@ -22,9 +22,11 @@ class PassContext:
     graph: str  # "inference", "forward" or "backward"
     report: Report
 
-    @property
-    def provider(self) -> str:
-        return self.config.providers[0] if self.config.providers else "aten"
+    def provider_for(self, anchor: fx.Node) -> str:
+        """Who runs this fused op: Triton kernels on CUDA (or on CPU under the interpreter), else ATen."""
+        first = self.config.providers[0] if self.config.providers else "aten"
+        device = anchor.meta["val"].device
+        return first if device.type == "cuda" or self.config.interpret else "aten"
 
     def reject(self, node: fx.Node, reason: str) -> None:
         self.report.reject(self.graph, node, reason)

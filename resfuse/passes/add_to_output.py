@@ -49,7 +49,7 @@ def _absorb(producer: fx.Node, other: fx.Node, add: fx.Node, ctx) -> str | None:
         add.graph.erase_node(add)
         add.graph.erase_node(producer)
         return None
-    g = Group.from_fused(producer) if producer.target in FUSED else Group.from_anchor(producer, ctx.provider)
+    g = Group.from_fused(producer) if producer.target in FUSED else Group.from_anchor(producer, ctx.provider_for(producer))
     leaf = g.operand(other, "full")
     g.absorb(add, epi.Op("add", (g.tree, leaf) if add.args[0] is producer else (leaf, g.tree)))
     if ctx.config.fuse_epilogue:

@@ -158,7 +158,7 @@ def match_epilogue(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         if why:
             ctx.reject(node, why)
             continue
-        g = grow(Group.from_anchor(node, ctx.provider), ctx)
+        g = grow(Group.from_anchor(node, ctx.provider_for(node)), ctx)
         if g.tree == epi.ACC:
             continue  # no epilogue: leave the ATen op to cuDNN/cuBLAS (FuseAddToOutput may still take it)
         emitted = g.emit()
