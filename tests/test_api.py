@@ -150,3 +150,11 @@ def test_training_graphs_flow_through_unfused_and_match_eager(block):
         assert rel(p.grad, q.grad) < 1e-4, name
     assert torch.allclose(block.b1.running_mean, twin.b1.running_mean)
     assert compiled.resfuse_report.graphs == ["forward", "backward"] and compiled.resfuse_report.fusions == []
+
+
+def test_odd_input_layout_never_gives_a_wrong_number(block):
+    x = torch.randn(2, 8, 7, 9).transpose(2, 3)  # neither contiguous nor channels_last
+    torch._dynamo.reset()
+    compiled = resfuse.compile(block)
+    with torch.no_grad():
+        assert rel(compiled(x), block(x)) < 1e-5

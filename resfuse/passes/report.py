@@ -101,7 +101,7 @@ class Report:
 
         fused = Table(title=f"resfuse: {len(self.fusions)} fused ops", show_lines=False)
         for col in ("graph", "pattern", "out shape", "saved MB", "provider", "ran", "sources"):
-            fused.add_column(col)
+            fused.add_column(col, no_wrap=col in ("pattern", "out shape"))
         for f in self.fusions:
             fused.add_row(f.graph, f.pattern, "x".join(map(str, f.shapes["out"])), f"{f.bytes_saved / 1e6:.2f}",
                           f.provider, f.ran, ", ".join(f.sources))
