@@ -1,0 +1,101 @@
+"""Two-stage selection of the fastest correct implementation of one fused op.
+
+Entry point: `select(candidates, reference, bench=..., top_k=..., budget_s=..., clock=...)`. The benchmarker
+and the clock are arguments, so tests drive the logic with fake timings (as Triton's autotuner does).
+
+Stage 1 times each kernel config *without* its epilogue and keeps the `top_k` fastest (TVM #9800). Stage 2
+times that shortlist *with* the real epilogue, beside every candidate that has no epilogue-free form (cuDNN's
+fused graph, the unfused ATen baseline), checks each one's output against the reference, and keeps the fastest
+correct one: a config chosen on its epilogue-free time can lose once fused (PyTorch #186059). A candidate
+that fails to build or launch, gives a wrong or non-finite answer, or reports an impossible time is
+discarded, never chosen. Candidates run on scratch buffers of their own: never in place on live data
+(OneFlow #9452).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    provider: str  # "triton" | "cudnn" | "aten"
+    name: str
+    config: dict
+    run: Callable[[], torch.Tensor]  # the fused op on scratch buffers, returns its output
+    mainloop: Callable[[], object] | None = None  # the same config without the epilogue (stage 1), if any
+
+
+@dataclasses.dataclass
+class Outcome:
+    winner: Candidate | None
+    times: dict  # name -> seconds, for every candidate timed in stage 2
+    discarded: dict  # name -> why
+
+
+def _timed(bench, fn) -> tuple[float | None, str | None]:
+    try:
+        t = bench(fn)
+    except Exception as e:  # a failed build or launch only disqualifies this candidate; the reason is kept
+        return None, f"{type(e).__name__}: {e}"
+    if not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+        return None, f"impossible time {t!r}"
+    return float(t), None
+
+
+def _wrong(out, reference: torch.Tensor, tol: float) -> str | None:
+    if not isinstance(out, torch.Tensor) or out.shape != reference.shape:
+        return f"output shape {getattr(out, 'shape', None)} != {tuple(reference.shape)}"
+    out64, ref64 = out.double(), reference.double()
+    if not torch.isfinite(out64).eq(torch.isfinite(ref64)).all():
+        return "non-finite values where the reference has none"
+    err = ((out64 - ref64).nan_to_num().norm() / ref64.nan_to_num().norm().clamp_min(1e-30)).item()
+    return None if err <= tol else f"relative error {err:.2e} > {tol:.0e}"
+
+
+def select(candidates: list[Candidate], reference: torch.Tensor, *, bench: Callable[[Callable], float],
+           tol: float, top_k: int = 4, budget_s: float = math.inf,
+           clock: Callable[[], float] = time.monotonic) -> Outcome:
+    start, discarded = clock(), {}
+
+    def over_budget() -> bool:
+        return clock() - start > budget_s
+
+    stage1 = []
+    for c in candidates:
+        if c.mainloop is None:
+            continue
+        if over_budget():
+            discarded[c.name] = "tuning budget spent"
+            continue
+        t, why = _timed(bench, c.mainloop)
+        if why:
+            discarded[c.name] = f"stage 1: {why}"
+        else:
+            stage1.append((t, c))
+    shortlist = [c for _, c in sorted(stage1, key=lambda tc: tc[0])[:top_k]]
+    shortlist += [c for c in candidates if c.mainloop is None]
+
+    times, best = {}, None
+    for c in shortlist:
+        if over_budget() and best is not None:
+            discarded[c.name] = "tuning budget spent"
+            continue
+        try:
+            why = _wrong(c.run(), reference, tol)
+        except Exception as e:  # as above: this candidate is out, the reason is recorded
+            why = f"{type(e).__name__}: {e}"
+        t = None
+        if not why:
+            t, why = _timed(bench, c.run)
+        if why:
+            discarded[c.name] = f"stage 2: {why}"
+            continue
+        times[c.name] = t
+        if best is None or t < times[best.name]:
+            best = c
+    return Outcome(best, times, discarded)

@@ -1,0 +1,89 @@
+"""The tuning cache's semantics: key fields, concurrency, corruption, export/import, force-retune."""
+import dataclasses
+import multiprocessing as mp
+import sqlite3
+import warnings
+
+import pytest
+
+from resfuse.tuning.cache import Entry, Key, TuningCache
+
+KEY = Key("conv2d", (32, 64, 56, 56, 256, 1, 1, (1, 1), (0, 0), (1, 1)), ("float16", "float16"),
+          ((200704, 1, 3584, 64), (64, 1, 64, 64)), "relu(add(bn[#1e-05](acc,c0,c1,c2,c3),full4))",
+          "NVIDIA H100 80GB HBM3", 132, (("torch", "2.11"), ("triton", "3.6"), ("cuda", "13.0"),
+                                         ("cudnn", "91000"), ("template", "1")))
+ENTRY = Entry("triton", {"block_m": 128, "block_n": 128, "split_k": 1}, {"triton-128x128": 4.1e-5, "aten": 8.2e-5})
+
+
+@pytest.fixture
+def cache(tmp_path):
+    return TuningCache(tmp_path / "tuning.sqlite")
+
+
+def test_hit_and_every_changed_key_field_is_a_miss(cache):
+    assert cache.put(KEY, ENTRY)
+    assert cache.get(KEY) == ENTRY
+    changes = {"op": "gemm", "shape": (1,), "dtypes": ("bfloat16", "bfloat16"), "strides": ((1,), (1,)),
+               "epilogue": "relu(acc)", "gpu": "NVIDIA H200", "sms": 114,
+               "versions": KEY.versions[:-1] + (("template", "2"),)}
+    assert set(changes) == {f.name for f in dataclasses.fields(Key)}
+    for field, value in changes.items():
+        assert cache.get(dataclasses.replace(KEY, **{field: value})) is None, field
+
+
+def test_force_retune_replaces_and_plain_put_keeps(cache):
+    cache.put(KEY, ENTRY)
+    newer = Entry("cudnn", {"engine": 3}, {"cudnn": 3.0e-5})
+    assert not cache.put(KEY, newer)
+    assert cache.get(KEY) == ENTRY
+    assert cache.put(KEY, newer, replace=True)
+    assert cache.get(KEY) == newer and len(cache.entries()) == 1
+
+
+def _writer(path, worker, n):
+    c = TuningCache(path)
+    for i in range(n):
+        c.put(dataclasses.replace(KEY, sms=1000 * worker + i), Entry("aten", {}, {"aten": float(i + 1)}))
+
+
+def test_concurrent_writers_lose_nothing(tmp_path):
+    path = tmp_path / "tuning.sqlite"
+    TuningCache(path)
+    procs = [mp.get_context("spawn").Process(target=_writer, args=(path, w, 25)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    assert len(TuningCache(path).entries()) == 100
+
+
+def test_corrupt_file_is_set_aside_and_rebuilt(tmp_path):
+    path = tmp_path / "tuning.sqlite"
+    path.write_bytes(b"this is not a database" * 100)
+    with pytest.warns(UserWarning, match="unusable"):
+        cache = TuningCache(path)
+    assert cache.entries() == [] and cache.put(KEY, ENTRY) and cache.get(KEY) == ENTRY
+    assert len(list(tmp_path.glob("tuning.sqlite.bad-*"))) == 1
+
+
+def test_incompatible_schema_is_set_aside(tmp_path):
+    path = tmp_path / "tuning.sqlite"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE entries (x)")
+        db.execute("PRAGMA user_version=99")
+    with pytest.warns(UserWarning, match="schema version 99"):
+        cache = TuningCache(path)
+    assert cache.put(KEY, ENTRY)
+
+
+def test_export_import_round_trip(cache, tmp_path):
+    cache.put(KEY, ENTRY)
+    cache.put(dataclasses.replace(KEY, op="gemm"), Entry("aten", {}, {"aten": 1e-5}))
+    assert cache.export(tmp_path / "out.json") == 2
+    other = TuningCache(tmp_path / "other.sqlite")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert other.import_(tmp_path / "out.json") == 2
+    assert other.get(KEY) == ENTRY
+    assert cache.clear() == 2 and cache.entries() == []
