@@ -1,8 +1,10 @@
-"""The `resfuse` command: explain | bench.
+"""The `resfuse` command: explain | bench | cache.
 
   resfuse explain MODEL   the fusion report, a numerics check of resfuse against eager, and where the time
                           would go (the per-layer roofline floor on this device's measured ceilings)
   resfuse bench MODEL     resfuse against eager and torch.compile (resfuse/bench/run.py)
+  resfuse cache list | clear | export FILE | import FILE [--replace]
+                          the tuning cache (<cache_dir>/tuning.sqlite; env RESFUSE_CACHE_DIR)
 
 MODEL: a built-in name (default resnet50), an HF config name (hf-resnet50, hf-bert-base, ...), a
 torchvision/timm name when installed, or path/to/file.py:factory (resfuse/bench/models.py).
@@ -70,6 +72,33 @@ def explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def cache(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from resfuse.config import Config
+    from resfuse.tuning.cache import TuningCache
+
+    store = TuningCache(Path(Config.from_env().cache_dir) / "tuning.sqlite")
+    if args.action == "list":
+        table = Table(title=f"tuning cache {store.path}")
+        for col in ("op", "shape", "dtypes", "epilogue", "gpu", "provider", "config", "best s"):
+            table.add_column(col)
+        for key, entry in store.entries():
+            table.add_row(key["op"], str(key["shape"]), ",".join(key["dtypes"]), key["epilogue"], key["gpu"],
+                          entry.provider, str(entry.config), f"{min(entry.times.values(), default=0):.3g}")
+        Console().print(table)
+    elif args.action == "clear":
+        print(f"removed {store.clear()} entries from {store.path}")
+    elif args.action == "export":
+        print(f"exported {store.export(args.file)} entries to {args.file}")
+    else:
+        print(f"imported {store.import_(args.file, replace=args.replace)} entries from {args.file}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="resfuse", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -78,8 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     from resfuse.bench import run as bench
 
     bench.add_arguments(sub.add_parser("bench", help="resfuse against eager and torch.compile"))
+    c = sub.add_parser("cache", help="list, clear, export or import the tuning cache")
+    c.add_argument("action", choices=["list", "clear", "export", "import"])
+    c.add_argument("file", nargs="?", help="the JSON file of export / import")
+    c.add_argument("--replace", action="store_true", help="import: overwrite entries with the same key")
     args = parser.parse_args(argv)
-    return explain(args) if args.command == "explain" else bench.main(args)
+    if args.command == "cache" and args.action in ("export", "import") and not args.file:
+        parser.error(f"cache {args.action} needs a FILE")
+    return {"explain": explain, "bench": bench.main, "cache": cache}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -23,3 +23,19 @@ def test_explain_prints_report_numerics_and_floor(tmp_path, capsys):
 def test_explain_unknown_model_exits_2(capsys):
     assert cli.main(["explain", "no-such-model"]) == 2
     assert "no-such-model" in capsys.readouterr().err
+
+
+def test_cache_commands_round_trip(tmp_path, capsys):
+    from resfuse.config import Config
+    from resfuse.tuning.cache import Entry, TuningCache
+
+    from .tuning.test_cache import KEY
+
+    TuningCache(f"{Config.from_env().cache_dir}/tuning.sqlite").put(KEY, Entry("aten", {}, {"aten": 2e-5}))
+    assert cli.main(["cache", "list"]) == 0
+    listing = capsys.readouterr().out
+    assert "conv2d" in listing and "aten" in listing
+    assert cli.main(["cache", "export", str(tmp_path / "c.json")]) == 0
+    assert cli.main(["cache", "clear"]) == 0 and "removed 1" in capsys.readouterr().out
+    assert cli.main(["cache", "import", str(tmp_path / "c.json")]) == 0
+    assert "imported 1" in capsys.readouterr().out
