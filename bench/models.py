@@ -45,13 +45,15 @@ def parse_jobs(spec: str) -> list[tuple[str, int]]:
 
 
 def bench_args(name: str, batch: int, peers: str, iters: int, ceilings: str | None,
-               device: str) -> argparse.Namespace:
+               device: str, profile: bool) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     run.add_arguments(parser)
     argv = [name, "--batch", str(batch), "--dtype", "fp16", "--device", device, "--peers", peers,
             "--iters", str(iters), "--seq", "384", "--image-size", "224"]
     if ceilings:
         argv += ["--ceilings", ceilings]
+    if profile:
+        argv.append("--profile")
     args = parser.parse_args(argv)
     args.argv = argv
     return args
@@ -95,6 +97,7 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=540.0, help="start no job past this (seconds)")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     parser.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
+    parser.add_argument("--profile", action="store_true", help="top kernels of compile and resfuse in the JSON")
     opts = parser.parse_args()
     jobs = parse_jobs(opts.jobs) if opts.jobs else default_jobs()
     out = Path(opts.out)
@@ -110,7 +113,8 @@ def main() -> int:
         t0 = time.perf_counter()
         print(f"\n=== {name} bs{batch} (t={elapsed:.0f}s) ===", flush=True)
         try:
-            result = run.benchmark(bench_args(name, batch, opts.peers, opts.iters, ceilings, opts.device))
+            result = run.benchmark(bench_args(name, batch, opts.peers, opts.iters, ceilings, opts.device,
+                                                opts.profile))
             c = result["ceilings"]
             ceilings = ceilings or f"{c['matmul_flops_per_s']},{c['copy_bytes_per_s']}"
         except Exception as e:  # one model failing to load or trace must not end the sweep

@@ -130,6 +130,12 @@ def benchmark(args: argparse.Namespace) -> dict:
     console.print(f"floor {result['floor']['ms']:.3f} ms over {result['floor']['layers']} layers")
 
     refs = timing.run_once(model, inputs)
+    flat = [r.double() for r in refs if r.is_floating_point()]
+    if not flat or all(r.numel() < 2 or r.std().item() == 0 or not torch.isfinite(r).all() for r in flat):
+        # A random-init model can collapse to a constant (or overflow) in low precision; then any peer
+        # matches eager and the error columns prove nothing.
+        notes.append("eager output is constant or non-finite: the error columns are vacuous for this model")
+        console.print(f"[yellow]note:[/yellow] {notes[-1]}")
     for name in peers:
         console.print(f"[bold]{name}[/bold] ...")
         result["peers"][name] = _measure(name, model, sets, refs, device, iters, args, result)
