@@ -101,3 +101,15 @@ def test_attention_is_one_layer_without_the_score_matrix():
     (layer,) = roofline.trace_layers(Attention(), (q, k, v))
     assert layer.kind == "compute"
     assert layer.bytes == F32 * (4 * 1 * 2 * 16 * 8 + 16 * 16)  # q, k, v, out and the mask: no 16x16 scores
+
+
+def test_resnet50_groups_into_one_layer_per_conv():
+    from resfuse.bench import models
+
+    # meta tensors: shapes only, so the full 224x224 model traces in about a second.
+    model, inputs = models.load("hf-resnet50", 2, torch.float16, "meta")
+    layers = roofline.trace_layers(model, inputs)
+    compute = [layer for layer in layers if layer.kind == "compute"]
+    assert len(compute) == 53 + 1  # 53 convolutions (BN, ReLU and residual adds absorbed) and the classifier
+    assert {layer.ops[0] for layer in layers if layer.kind == "memory"} == {"max_pool2d_with_indices", "mean"}
+    assert sum("add_" in layer.ops or "add" in layer.ops for layer in compute) == 16  # one residual per block
