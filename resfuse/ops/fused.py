@@ -62,8 +62,8 @@ def _record(op: str, signature: str, path: str) -> None:
 @torch.library.custom_op("resfuse::conv2d", mutates_args=())
 def conv2d(x: torch.Tensor, weight: torch.Tensor, operands: Sequence[torch.Tensor], epilogue: str,
            stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], provider: str) -> torch.Tensor:
-    out = torch.empty(conv_out_shape(x, weight, stride, padding, dilation), dtype=x.dtype, device=x.device)
-    out = out.contiguous(memory_format=conv_out_format(x, weight))
+    out = torch.empty(conv_out_shape(x, weight, stride, padding, dilation), dtype=x.dtype, device=x.device,
+                      memory_format=conv_out_format(x, weight))
     if _use_triton(x.device, provider):
         from .. import kernels
         _record("conv2d", epilogue, "triton")
@@ -75,8 +75,8 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, operands: Sequence[torch.Tenso
 
 @conv2d.register_fake
 def _(x, weight, operands, epilogue, stride, padding, dilation, provider):
-    out = x.new_empty(conv_out_shape(x, weight, stride, padding, dilation))
-    return out.contiguous(memory_format=conv_out_format(x, weight))
+    return torch.empty(conv_out_shape(x, weight, stride, padding, dilation), dtype=x.dtype, device=x.device,
+                       memory_format=conv_out_format(x, weight))
 
 
 @torch.library.custom_op("resfuse::gemm", mutates_args=())
