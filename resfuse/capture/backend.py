@@ -18,6 +18,7 @@ from .. import kernels
 from ..config import Config
 from ..passes import PassContext, run_passes
 from ..passes.report import Report
+from .cuda_graphs import CudaGraphed
 
 # Graph kinds the passes rewrite today; training graphs flow through untouched until the training issue lands.
 REWRITTEN = ("inference",)
@@ -39,7 +40,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs, *, config: Config, graph: 
         report.errors.append(f"{graph} graph: passes failed, running it unfused: {type(e).__name__}: {e}")
         warnings.warn(f"resfuse: {report.errors[-1]}")
         return original
-    return gm if run_graph else original
+    if not run_graph:
+        return original
+    return CudaGraphed(gm) if config.cuda_graphs else gm
 
 
 def make_backend(config: Config, report: Report, run_graph: bool = True):

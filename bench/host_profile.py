@@ -1,0 +1,80 @@
+"""Where resfuse's host time goes, and what CUDA graphs recover (GPU machine).
+
+  python3 bench/host_profile.py [--model resnet50] [--batch 1] --out $OUT
+
+Compiles the model with resfuse (fp16, channels_last), checks it against eager, times resfuse with and without
+cuda_graphs=True beside torch.compile reduce-overhead (CUDA events, median of 50 calls), then runs cProfile
+over 20 uncaptured calls and prints the functions with the most own time. Full profile in $OUT/host_profile.txt.
+"""
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import resfuse  # noqa: E402
+from resfuse.bench import models  # noqa: E402
+
+
+def median_ms(fn, x, iters=50):
+    for _ in range(5):
+        fn(x)
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn(x)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return sorted(times)[len(times) // 2]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="resnet50")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    torch.backends.cudnn.benchmark = True
+    rows, report = [], io.StringIO()
+    for batch in args.batch:
+        model, (x,) = models.load(args.model, batch, torch.float16, "cuda")
+        with torch.no_grad():
+            ref = model(x).float()
+            peers = {}
+            torch._dynamo.reset()
+            peers["reduce-overhead"] = torch.compile(model, mode="reduce-overhead")
+            peers["resfuse"] = resfuse.compile(model)
+            peers["resfuse+graphs"] = resfuse.compile(model, cuda_graphs=True)
+            res = {}
+            for name, fn in peers.items():
+                out = fn(x).float()
+                err = ((out - ref).norm() / ref.norm()).item()
+                res[name] = (median_ms(fn, x), err)
+            if batch == args.batch[0]:
+                prof = cProfile.Profile()
+                fn = peers["resfuse"]
+                prof.enable()
+                for _ in range(20):
+                    fn(x)
+                torch.cuda.synchronize()
+                prof.disable()
+                s = io.StringIO()
+                pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(40)
+                report.write(s.getvalue())
+        rows.append((batch, res))
+    with open(os.path.join(args.out, "host_profile.txt"), "w") as f:
+        f.write(report.getvalue())
+    print(report.getvalue()[:6000])
+    print(f"\n{args.model} fp16 channels_last, median ms (rel err vs eager) on {torch.cuda.get_device_name()}")
+    for batch, res in rows:
+        print(f"bs{batch}: " + "  ".join(f"{k} {t:.3f} ({e:.1e})" for k, (t, e) in res.items()))
+
+
+if __name__ == "__main__":
+    main()
