@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 import triton
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from resfuse import epilogue as epi  # noqa: E402
@@ -28,6 +28,7 @@ from resfuse import kernels  # noqa: E402
 from resfuse.ops.fused import conv_out_shape  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DNAME = {v: k for k, v in DTYPES.items()}
 BN_RELU = "relu(bn[#1e-05](acc,c0,c1,c2,c3))"
 BN_ADD_RELU = "relu(add(bn[#1e-05](acc,c0,c1,c2,c3),full4))"
 
@@ -94,8 +95,27 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).norm() / ref.norm())
 
 
+TIMER = {"graph": lambda fn: do_bench_cudagraph(fn, rep=100, return_mode="median"),
+         "plain": lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median")}
+_timer = TIMER["graph"]
+
+
 def bench(fn) -> float:
-    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3  # microseconds
+    return _timer(fn) * 1e3  # microseconds
+
+
+def sweep(row_fn, patch_target: str, configs) -> list[tuple[str, float]]:
+    """Time one case's fused kernel under each config (the tuner's job later; here it shows the headroom)."""
+    from resfuse.kernels import launch
+    default = getattr(launch, patch_target)
+    found = []
+    try:
+        for cfg in configs:
+            setattr(launch, patch_target, lambda p, cfg=cfg: cfg)
+            found.append((str(cfg), row_fn()))
+    finally:
+        setattr(launch, patch_target, default)
+    return found
 
 
 def compiled(fn, enabled: bool):
@@ -135,7 +155,7 @@ def conv_row(case: ConvCase, n: int, dtype, peak: float, bw: float, use_compile:
     flops = 2 * shape[0] * shape[2] * shape[3] * case.k * case.c * case.r**2
     nbytes = (x.numel() + w.numel() + out.numel() * (2 if case.tail else 1)) * x.element_size()
     return {
-        "kind": "conv", "case": case.name, "batch": n, "dtype": str(dtype).split(".")[-1], "relerr": err,
+        "kind": "conv", "case": case.name, "batch": n, "dtype": DNAME[dtype], "relerr": err,
         "ours_us": bench(ours), "eager_us": bench(eager), "compile_us": bench(comp) if comp else None,
         "alone_us": bench(lambda: F.conv2d(x, w, None, st, pd)),
         "floor_us": max(flops / peak, nbytes / bw) * 1e6, "bound": "mem" if nbytes / bw > flops / peak else "math",
@@ -169,13 +189,32 @@ def gemm_row(name, m, n, k, sig, dtype, peak, bw, use_compile) -> dict:
     comp = compiled(eager, use_compile)
     nbytes = (a.numel() + b.numel() + out.numel() * (2 if "full1" in sig else 1)) * a.element_size()
     return {
-        "kind": "gemm", "case": name, "batch": 32, "dtype": str(dtype).split(".")[-1], "relerr": err,
+        "kind": "gemm", "case": name, "batch": 32, "dtype": DNAME[dtype], "relerr": err,
         "ours_us": bench(ours), "eager_us": bench(eager), "compile_us": bench(comp) if comp else None,
         "alone_us": bench(lambda: torch.mm(a, b)),
         "ours_mainloop_us": bench(lambda: kernels.gemm(a, b, [], "acc", bare)),
         "floor_us": max(2 * m * n * k / peak, nbytes / bw) * 1e6,
         "bound": "mem" if nbytes / bw > 2 * m * n * k / peak else "math",
     }
+
+
+def run_sweeps(peak, bw):
+    from resfuse.kernels.conv2d_fprop import ConvConfig
+    from resfuse.kernels.matmul import GemmConfig
+    gemm_cfgs = [GemmConfig(128, 256, 64, 8, 1, 8, 3), GemmConfig(128, 128, 64, 8, 1, 4, 4),
+                 GemmConfig(128, 128, 64, 8, 1, 8, 3), GemmConfig(256, 128, 64, 8, 1, 8, 3),
+                 GemmConfig(128, 256, 64, 8, 1, 8, 4), GemmConfig(64, 256, 64, 8, 1, 4, 4)]
+    conv_cfgs = [ConvConfig(128, 128, 64, 8, 1, False, 8, 3), ConvConfig(128, 64, 64, 8, 1, False, 4, 4),
+                 ConvConfig(64, 128, 64, 8, 1, False, 4, 4), ConvConfig(128, 256, 64, 8, 1, False, 8, 3),
+                 ConvConfig(256, 64, 64, 8, 1, False, 8, 3), ConvConfig(128, 128, 32, 8, 1, False, 4, 4)]
+    out = []
+    for name, m, n, k, sig in BERT[:2]:
+        out.append((name, sweep(lambda: gemm_row(name, m, n, k, "acc", torch.float16, peak, bw, False)["ours_us"],
+                                "gemm_config", gemm_cfgs)))
+    for case in (RESNET50[3], RESNET50[2], RESNET50[11]):
+        out.append((case.name + " bs32", sweep(lambda: conv_row(case, 32, torch.float16, peak, bw, False)["ours_us"],
+                                               "conv_config", conv_cfgs)))
+    return out
 
 
 def fmt(v, spec=".1f"):
@@ -206,7 +245,13 @@ def main(argv=None) -> None:
     p.add_argument("--compile-dtypes", default="fp16", help="dtypes that also time torch.compile (slow to build)")
     p.add_argument("--cases", default="", help="substring filter on case names")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--timer", choices=sorted(TIMER), default="graph",
+                   help="graph: CUDA-graph replays (device time, L2 warm); plain: do_bench (L2 flushed, launch "
+                        "overhead included)")
+    p.add_argument("--sweep", action="store_true", help="also time a few configs on key cases")
     args = p.parse_args(argv)
+    global _timer
+    _timer = TIMER[args.timer]
     torch._dynamo.config.cache_size_limit = 1024
     torch.backends.cuda.matmul.allow_tf32 = False
     t0 = time.time()
@@ -228,7 +273,13 @@ def main(argv=None) -> None:
                 if args.cases in name:
                     rows.append(gemm_row(name, m, n, k, sig, dtype, peak, bw, use_compile))
                     print(json.dumps(rows[-1]), flush=True)
-    text = f"{header}\nwall {time.time() - t0:.0f} s; times in us (do_bench median, L2 flushed)\n{table(rows)}"
+    if args.sweep:
+        rows_sweep = run_sweeps(peak, bw)
+        print(json.dumps(rows_sweep), flush=True)
+    else:
+        rows_sweep = []
+    text = (f"{header}\nwall {time.time() - t0:.0f} s; times in us, median, timer={args.timer}\n{table(rows)}"
+            + "".join(f"\nsweep {name}: " + ", ".join(f"{c} {t:.1f}" for c, t in found) for name, found in rows_sweep))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "kernels.json"), "w") as f:
         json.dump({"header": header, "rows": rows}, f, indent=1)
