@@ -2,8 +2,8 @@
 
 Entry points, called by ops/fused.py:
   available(device)                                  can a kernel run on this device now?
-  conv2d(x, w, operands, signature, stride, padding, dilation, out) -> out
-  gemm(a, b, operands, signature, out) -> out
+  conv2d(x, w, operands, signature, stride, padding, dilation, out, config=None) -> out
+  gemm(a, b, operands, signature, out, config=None) -> out
   set_options(interpret=..., cache_dir=..., split_k=...)   process-wide, set by resfuse.compile
 
 Triton decides at decoration time whether a kernel is compiled or interpreted, so the interpreter switch is
@@ -61,11 +61,11 @@ def available(device: torch.device) -> bool:
     return device.type == "cpu" and _OPTIONS["interpret"]
 
 
-def conv2d(x, w, operands, signature, stride, padding, dilation, out):
+def conv2d(x, w, operands, signature, stride, padding, dilation, out, config=None):
     from .launch import conv2d as run
-    return run(x, w, operands, signature, stride, padding, dilation, out)
+    return run(x, w, operands, signature, stride, padding, dilation, out, config)
 
 
-def gemm(a, b, operands, signature, out):
+def gemm(a, b, operands, signature, out, config=None):
     from .launch import gemm as run
-    return run(a, b, operands, signature, out)
+    return run(a, b, operands, signature, out, config)

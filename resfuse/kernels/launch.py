@@ -1,7 +1,8 @@
 """Launching the fused kernels: argument checks, [S, P, C] operand views, config choice and the grid.
 
-Entry points: `conv2d(x, w, operands, signature, stride, padding, dilation, out) -> out` and
-`gemm(a, b, operands, signature, out) -> out`, reached through resfuse.kernels (ops/fused.py calls those).
+Entry points: `conv2d(x, w, operands, signature, stride, padding, dilation, out, config=None) -> out` and
+`gemm(a, b, operands, signature, out, config=None) -> out`, reached through resfuse.kernels (ops/fused.py
+calls those). A None config is the heuristic default; the tuner passes measured ones.
 `out` is preallocated by the caller; the kernels write into it through its own strides.
 """
 from __future__ import annotations
@@ -13,8 +14,8 @@ import triton
 
 from .. import epilogue as epi
 from . import codegen, options, split_k
-from .conv2d_fprop import FAMILY as CONV_FAMILY, ConvProblem, default_config as conv_config
-from .matmul import FAMILY as GEMM_FAMILY, GemmProblem, default_config as gemm_config
+from .conv2d_fprop import FAMILY as CONV_FAMILY, ConvConfig, ConvProblem, default_config as conv_config
+from .matmul import FAMILY as GEMM_FAMILY, GemmConfig, GemmProblem, default_config as gemm_config
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -32,14 +33,6 @@ def _check_inputs(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> None:
                         f"{p.dtype}, {q.dtype} -> {out.dtype}")
     if not (p.device == q.device == out.device):
         raise ValueError(f"inputs and output on different devices: {p.device}, {q.device}, {out.device}")
-
-
-def _operand_args(signature: str, operands, out_shape, channel_dim: int) -> list:
-    """Pointer and [S, P, C] strides for each operand slot the epilogue reads, in triton_params order."""
-    args = []
-    for t3 in epi.operand_views(epi.parse(signature), operands, out_shape, channel_dim):
-        args += [t3, *t3.stride()]
-    return args
 
 
 def _split(config_split: int) -> int:
@@ -75,35 +68,89 @@ def _gemm_out_view(out: torch.Tensor, batched: bool, m: int, n: int) -> tuple[in
     return m // samples, 0, o3.stride(0), o3.stride(1), o3.stride(2)
 
 
-def gemm(a: torch.Tensor, b: torch.Tensor, operands, signature: str, out: torch.Tensor) -> torch.Tensor:
+class Plan:
+    """Everything about one launch that depends only on shapes, strides, dtypes and the config, computed once
+    per such key (the host time per call was mostly this, ~100 us a fused op): the kernel, the grid, the
+    scalar arguments and each operand's [S, P, C] strides. A call only fills in the tensors."""
+
+    def __init__(self, kernel, grid, head: list, operand_strides: list, meta: dict, ws_shape: tuple):
+        self.kernel, self.grid, self.head, self.meta, self.ws_shape = kernel, grid, head, meta, ws_shape
+        self.operand_strides = operand_strides  # None where the [S, P, C] view is not a view (a copy each call)
+
+    def launch(self, tensors: tuple, out, operands, signature: str, out_shape, channel_dim: int):
+        ws, tickets = split_k.buffers(out.device, *self.ws_shape)
+        op_args = []
+        views = None
+        for i, (t, strides) in enumerate(zip(operands, self.operand_strides)):
+            if strides is None:
+                views = views or epi.operand_views(epi.parse(signature), operands, out_shape, channel_dim)
+                t, strides = views[i], views[i].stride()
+            op_args += [t, *strides]
+        self.kernel[self.grid](out, ws, tickets, *tensors, *self.head, *op_args, **self.meta)
+        return out
+
+
+_PLANS: dict = {}
+
+
+def _key(*parts) -> tuple:
+    return tuple((p.shape, p.stride(), p.dtype, p.device) if isinstance(p, torch.Tensor) else p for p in parts)
+
+
+def _operand_strides(signature: str, operands, out_shape, channel_dim: int) -> list:
+    views = epi.operand_views(epi.parse(signature), operands, out_shape, channel_dim)
+    return [v.stride() if v.data_ptr() == t.data_ptr() else None for v, t in zip(views, operands)]
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, operands, signature: str, out: torch.Tensor,
+         config: GemmConfig | None = None) -> torch.Tensor:
+    key = _key("gemm", signature, config, options()["split_k"], a, b, out, *operands)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _gemm_plan(a, b, operands, signature, out, config)
+    if plan is not None:
+        plan.launch((a, b), out, operands, signature, out.shape, -1)
+    return out
+
+
+def _gemm_plan(a, b, operands, signature, out, config) -> Plan | None:
     _check_inputs(a, b, out)
     if a.dim() not in (2, 3) or b.dim() not in (2, 3) or b.dim() > a.dim():
         raise NotImplementedError(f"gemm kernel takes [M,K]@[K,N], [B,M,K]@[B,K,N] or [B,M,K]@[K,N]; got "
                                   f"{tuple(a.shape)} @ {tuple(b.shape)}")
     if out.numel() == 0:
-        return out
+        return None
     batch = a.shape[0] if a.dim() == 3 else 1
     m, k = a.shape[-2:]
     n = b.shape[-1]
     s_ab = a.stride(0) if a.dim() == 3 else 0
     s_bb = b.stride(0) if b.dim() == 3 else 0  # a 2-D B is shared by every batch
     rps, s_ob, s_os, s_om, s_on = _gemm_out_view(out, a.dim() == 3, m, n)
-    cfg = gemm_config(GemmProblem(batch, m, n, k, a.element_size(), _sms(a.device)))
+    cfg = config or gemm_config(GemmProblem(batch, m, n, k, a.element_size(), _sms(a.device)))
     split = _split(cfg.split_k)
     tiles_mn = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    ws, tickets = split_k.buffers(a.device, tiles_mn * batch, split, cfg.block_m, cfg.block_n)
-    kernel = codegen.load(GEMM_FAMILY, signature)
-    kernel[(tiles_mn, batch, split)](
-        out, ws, tickets, a, b, m, n, k, rps, s_ab, a.stride(-2), a.stride(-1), s_bb, b.stride(-2), b.stride(-1),
-        s_ob, s_os, s_om, s_on, *_operand_args(signature, operands, out.shape, -1),
-        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split,
-        EVEN_K=k % cfg.block_k == 0, PRECISION=_precision(a.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out
+    head = [m, n, k, rps, s_ab, a.stride(-2), a.stride(-1), s_bb, b.stride(-2), b.stride(-1), s_ob, s_os, s_om, s_on]
+    meta = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split,
+                EVEN_K=k % cfg.block_k == 0, PRECISION=_precision(a.dtype),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return Plan(codegen.load(GEMM_FAMILY, signature), (tiles_mn, batch, split), head,
+                _operand_strides(signature, operands, out.shape, -1), meta,
+                (tiles_mn * batch, split, cfg.block_m, cfg.block_n))
 
 
 def conv2d(x: torch.Tensor, w: torch.Tensor, operands, signature: str, stride, padding, dilation,
-           out: torch.Tensor) -> torch.Tensor:
+           out: torch.Tensor, config: ConvConfig | None = None) -> torch.Tensor:
+    key = _key("conv2d", signature, tuple(stride), tuple(padding), tuple(dilation), config, options()["split_k"],
+               x, w, out, *operands)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _conv_plan(x, w, operands, signature, stride, padding, dilation, out, config)
+    if plan is not None:
+        plan.launch((x, w), out, operands, signature, out.shape, 1)
+    return out
+
+
+def _conv_plan(x, w, operands, signature, stride, padding, dilation, out, config) -> Plan | None:
     _check_inputs(x, w, out)
     nb, c, h, wd = x.shape
     ko, cw, r, s = w.shape
@@ -111,18 +158,14 @@ def conv2d(x: torch.Tensor, w: torch.Tensor, operands, signature: str, stride, p
         raise NotImplementedError(f"conv2d kernel supports groups=1 only (input C={c}, weight C={cw})")
     oh, ow = out.shape[2:]
     if out.numel() == 0:
-        return out
-    cfg = conv_config(ConvProblem(nb, c, ko, r, s, oh, ow, x.element_size(), _sms(x.device)))
+        return None
+    cfg = config or conv_config(ConvProblem(nb, c, ko, r, s, oh, ow, x.element_size(), _sms(x.device)))
     split = _split(cfg.split_k)
     tiles = triton.cdiv(nb * oh * ow, cfg.block_m) * triton.cdiv(ko, cfg.block_n)
-    ws, tickets = split_k.buffers(x.device, tiles, split, cfg.block_m, cfg.block_n)
-    kernel = codegen.load(CONV_FAMILY, signature)
     s_on, s_ok, s_oh, s_ow = out.stride()
-    kernel[(tiles, 1, split)](
-        out, ws, tickets, x, w, nb, h, wd, c, ko, oh, ow, r, s,
-        x.stride(0), x.stride(1), x.stride(2), x.stride(3), w.stride(0), w.stride(1), w.stride(2), w.stride(3),
-        s_on, s_oh, s_ow, stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1],
-        s_ok, *_operand_args(signature, operands, out.shape, 1),
-        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split, FLAT=cfg.flat,
-        PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out
+    head = [nb, h, wd, c, ko, oh, ow, r, s, *x.stride(), *w.stride(), s_on, s_oh, s_ow, stride[0], stride[1],
+            padding[0], padding[1], dilation[0], dilation[1], s_ok]
+    meta = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split, FLAT=cfg.flat,
+                PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return Plan(codegen.load(CONV_FAMILY, signature), (tiles, 1, split), head,
+                _operand_strides(signature, operands, out.shape, 1), meta, (tiles, split, cfg.block_m, cfg.block_n))
