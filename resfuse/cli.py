@@ -1,8 +1,9 @@
-"""The `resfuse` command: explain | bench | cache.
+"""The `resfuse` command: explain | bench | tune | cache.
 
   resfuse explain MODEL   the fusion report, a numerics check of resfuse against eager, and where the time
                           would go (the per-layer roofline floor on this device's measured ceilings)
   resfuse bench MODEL     resfuse against eager and torch.compile (resfuse/bench/run.py)
+  resfuse tune MODEL      compile and run once with tuning on, filling the tuning cache; prints the wall time
   resfuse cache list | clear | export FILE | import FILE [--replace]
                           the tuning cache (<cache_dir>/tuning.sqlite; env RESFUSE_CACHE_DIR)
 
@@ -39,14 +40,11 @@ def explain(args: argparse.Namespace) -> int:
     from resfuse.bench import models, roofline
 
     console = Console()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.float16 if device.type == "cuda" else torch.float32)
-    try:
-        model, inputs = models.load(args.model, args.batch, dtype, device, image_size=args.image_size,
-                                    seq=args.seq)
-    except (models.UnknownModel, models.MissingPackage, FileNotFoundError) as e:
-        print(f"resfuse explain: {e}", file=sys.stderr)
+    loaded = _load(args, "explain")
+    if loaded is None:
         return 2
+    model, inputs = loaded
+    device, dtype = inputs[0].device, next(model.parameters()).dtype
     options = {"fuse_epilogue": args.fuse_epilogue, "fuse_add_to_output": args.fuse_add_to_output}
     console.print(f"[bold]{models.resolve(args.model)}[/bold] batch {args.batch}, {dtype}, {device}")
     console.print(resfuse.explain(model, *inputs, **options))
@@ -69,6 +67,40 @@ def explain(args: argparse.Namespace) -> int:
         table.add_row(layer.name, layer.kind, f"{layer.flops / 1e9:.2f}", f"{layer.bytes / 1e6:.2f}",
                       f"{layer.floor_s * 1e6:.1f}", "compute" if layer.compute_s > layer.memory_s else "memory")
     console.print(table)
+    return 0
+
+
+def _load(args, command: str):
+    from resfuse.bench import models
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.float16 if device.type == "cuda" else torch.float32)
+    try:
+        return models.load(args.model, args.batch, dtype, device, image_size=args.image_size, seq=args.seq)
+    except (models.UnknownModel, models.MissingPackage, FileNotFoundError) as e:
+        print(f"resfuse {command}: {e}", file=sys.stderr)
+        return None
+
+
+def tune(args: argparse.Namespace) -> int:
+    import time
+
+    import resfuse
+
+    loaded = _load(args, "tune")
+    if loaded is None:
+        return 2
+    model, inputs = loaded
+    if inputs[0].device.type != "cuda":
+        print("resfuse tune: tuning measures CUDA kernels; on this CPU-only machine there is nothing to tune")
+        return 0
+    start = time.perf_counter()
+    compiled = resfuse.compile(model, tuning=args.level, retune=args.retune, tuning_budget_s=args.budget)
+    with torch.no_grad():
+        compiled(*inputs)
+    torch.cuda.synchronize()
+    print(f"resfuse tune: {args.model} batch {args.batch}: first output after {time.perf_counter() - start:.1f} s "
+          f"(capture, kernel builds and tuning at level {args.level})")
     return 0
 
 
@@ -107,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     from resfuse.bench import run as bench
 
     bench.add_arguments(sub.add_parser("bench", help="resfuse against eager and torch.compile"))
+    t = sub.add_parser("tune", help="fill the tuning cache for a model")
+    _explain_arguments(t)
+    t.add_argument("--level", choices=["fast", "max"], default="fast")
+    t.add_argument("--retune", action="store_true", help="measure again and replace cached entries")
+    t.add_argument("--budget", type=float, default=600.0, help="tuning wall-clock budget in seconds")
     c = sub.add_parser("cache", help="list, clear, export or import the tuning cache")
     c.add_argument("action", choices=["list", "clear", "export", "import"])
     c.add_argument("file", nargs="?", help="the JSON file of export / import")
@@ -114,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "cache" and args.action in ("export", "import") and not args.file:
         parser.error(f"cache {args.action} needs a FILE")
-    return {"explain": explain, "bench": bench.main, "cache": cache}[args.command](args)
+    return {"explain": explain, "bench": bench.main, "tune": tune, "cache": cache}[args.command](args)
 
 
 if __name__ == "__main__":

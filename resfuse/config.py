@@ -22,8 +22,12 @@ class Config:
     "OneFlow's FuseAddToOutput: a same-shape 2-input add is absorbed by the op that produces one operand."
     providers: tuple[str, ...] = ("triton", "aten")
     "Who may run a fused op on CUDA, in order of preference until the tuner measures them."
-    tuning: str = "none"
-    "Tuning level: none (heuristic config), fast, max."
+    tuning: str = "fast"
+    "Tuning level on CUDA: none (heuristic config), fast (a pruned space), max (exhaustive; slow)."
+    tuning_budget_s: float = 60.0
+    "Wall-clock seconds a process may spend tuning; past it, untuned shapes run the heuristic config."
+    retune: bool = False
+    "Measure again and replace cached tuning entries (force-retune)."
     interpret: bool = False
     "Run the Triton kernels under Triton's interpreter on CPU tensors (tests; env RESFUSE_INTERPRET=1)."
     split_k: int | None = None

@@ -51,6 +51,10 @@ def make_backend(config: Config, report: Report, run_graph: bool = True):
     kernels.set_options(cache_dir=config.cache_dir, split_k=config.split_k)
     if config.interpret:
         kernels.set_options(interpret=True)
+    if kernels.triton_installed():
+        from ..tuning.choose import configure
+
+        configure(config.tuning, config.cache_dir, config.tuning_budget_s, config.retune)
     step = functools.partial(compile_graph, config=config, report=report, run_graph=run_graph)
     return aot_autograd(fw_compiler=functools.partial(step, graph="forward"),
                         bw_compiler=functools.partial(step, graph="backward"),

@@ -6,7 +6,8 @@ implementations, so a rewritten graph can be re-traced, exported and CUDA-graphe
 
 Paths, recorded in PATHS so that the report can say which one ran:
   "reference"  the unfused ATen computation followed by the epilogue tree in torch (CPU, and the fallback);
-  "triton"     our Triton kernel (CUDA, or CPU under the interpreter when kernels.interpret is on).
+  "triton"     our Triton kernel (CUDA, or CPU under the interpreter when kernels.interpret is on);
+  "aten"       the same ATen computation as "reference", chosen by the tuner because it measured faster.
 """
 from __future__ import annotations
 
@@ -66,9 +67,22 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, operands: Sequence[torch.Tenso
                       memory_format=conv_out_format(x, weight))
     if _use_triton(x.device, provider):
         from .. import kernels
-        _record("conv2d", epilogue, "triton")
-        return kernels.conv2d(x, weight, list(operands), epilogue, list(stride), list(padding), list(dilation), out)
-    _record("conv2d", epilogue, "reference")
+        from ..tuning.choose import Call, choose
+
+        call = Call("conv2d", (x, weight), list(operands), epilogue, (list(stride), list(padding), list(dilation)),
+                    out)
+        choice = choose(call)
+        _record("conv2d", epilogue, choice.provider)
+        if choice.provider == "triton":
+            return kernels.conv2d(x, weight, list(operands), epilogue, list(stride), list(padding), list(dilation),
+                                  out, choice.config)
+    else:
+        _record("conv2d", epilogue, "reference")
+    return conv2d_reference(x, weight, operands, epilogue, stride, padding, dilation, out)
+
+
+def conv2d_reference(x, weight, operands, epilogue, stride, padding, dilation, out):
+    """The unfused ATen path (cuDNN conv, then the epilogue as torch ops): the CPU path and the aten provider."""
     acc = torch.ops.aten.convolution(x, weight, None, list(stride), list(padding), list(dilation), False, [0, 0], 1)
     return _finish(acc, out, operands, epilogue, 1)
 
@@ -90,10 +104,20 @@ def gemm(a: torch.Tensor, b: torch.Tensor, operands: Sequence[torch.Tensor], epi
     out = torch.empty(out_shape, dtype=a.dtype, device=a.device)
     if _use_triton(a.device, provider):
         from .. import kernels
-        _record("gemm", epilogue, "triton")
-        return kernels.gemm(a, b, list(operands), epilogue, out)
-    _record("gemm", epilogue, "reference")
-    acc = torch.matmul(a, b).view(out_shape)
+        from ..tuning.choose import Call, choose
+
+        choice = choose(Call("gemm", (a, b), list(operands), epilogue, (list(out_shape),), out))
+        _record("gemm", epilogue, choice.provider)
+        if choice.provider == "triton":
+            return kernels.gemm(a, b, list(operands), epilogue, out, choice.config)
+    else:
+        _record("gemm", epilogue, "reference")
+    return gemm_reference(a, b, operands, epilogue, out_shape, out)
+
+
+def gemm_reference(a, b, operands, epilogue, out_shape, out):
+    """The unfused ATen path (cuBLAS, then the epilogue as torch ops)."""
+    acc = torch.matmul(a, b).view(list(out_shape))
     return _finish(acc, out, operands, epilogue, -1)
 
 

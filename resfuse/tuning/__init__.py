@@ -1,4 +1,6 @@
 """Tuning: measured choices of provider and kernel config per fused op, remembered in a SQLite cache.
 
-cache.py (the persistent store and its key) and select.py (two-stage selection with an injected benchmarker).
+choose.py (the runtime entry: Call, choose, configure, tune), select.py (two-stage selection with an
+injected benchmarker), space.py (configs per level), cache.py (the persistent store and its key).
+Nothing is imported here: cache.py must work where Triton is not installed.
 """

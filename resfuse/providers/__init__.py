@@ -1,0 +1,22 @@
+"""Providers: who can run a fused op, and their candidates for the tuner. One interface, one module each.
+
+Entry point: `candidates(call, level) -> list[tuning.select.Candidate]`. Each provider module has
+`refusal(call) -> str | None` (can it run this op at all?) and `candidates(call, level)`.
+  triton  our templates x the configs of tuning/space.py (with an epilogue-free twin for stage 1);
+  aten    the unfused baseline: cuDNN/cuBLAS, then the epilogue as separate torch ops.
+A cuDNN-frontend provider (one fused cuDNN graph) is not written yet.
+"""
+from __future__ import annotations
+
+from . import aten, triton
+
+PROVIDERS = {"triton": triton, "aten": aten}
+
+
+def candidates(call, level: str, allowed=("triton", "aten")) -> list:
+    out = []
+    for name in allowed:
+        provider = PROVIDERS.get(name)
+        if provider is not None and provider.refusal(call) is None:
+            out += provider.candidates(call, level)
+    return out

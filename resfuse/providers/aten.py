@@ -1,0 +1,23 @@
+"""The aten provider: the unfused baseline (cuDNN conv or cuBLAS matmul, then the epilogue as torch ops)."""
+from __future__ import annotations
+
+import torch
+
+from ..tuning.select import Candidate
+
+
+def refusal(call) -> str | None:
+    return None
+
+
+def run(call, out: torch.Tensor) -> torch.Tensor:
+    from ..ops import fused
+
+    if call.op == "conv2d":
+        return fused.conv2d_reference(*call.inputs, call.operands, call.signature, *call.params, out)
+    return fused.gemm_reference(*call.inputs, call.operands, call.signature, *call.params, out)
+
+
+def candidates(call, level: str) -> list[Candidate]:
+    scratch = torch.empty_like(call.out)  # never the live output (OneFlow #9452)
+    return [Candidate("aten", "aten", {}, lambda: run(call, scratch))]

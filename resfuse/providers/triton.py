@@ -1,0 +1,39 @@
+"""The triton provider: our generated kernels, one candidate per config of the level's space.
+
+Each candidate has an epilogue-free twin (signature "acc") for stage 1; both write to scratch buffers.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .. import kernels
+from ..tuning import space
+from ..tuning.select import Candidate
+
+
+def refusal(call) -> str | None:
+    if not kernels.available(call.out.device):
+        return f"no Triton kernels on {call.out.device}"
+    if call.op == "conv2d" and call.inputs[0].shape[1] != call.inputs[1].shape[1]:
+        return "grouped convolution"
+    return None
+
+
+def _launch(call, signature: str, operands, out, config):
+    if call.op == "conv2d":
+        return kernels.conv2d(*call.inputs, operands, signature, *call.params, out, config)
+    return kernels.gemm(*call.inputs, operands, signature, out, config)
+
+
+def candidates(call, level: str) -> list[Candidate]:
+    scratch, bare = torch.empty_like(call.out), torch.empty_like(call.out)
+    out = []
+    for cfg in space.configs(call, level):
+        name = "triton:" + ",".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items())
+        out.append(Candidate(
+            "triton", name, dataclasses.asdict(cfg),
+            run=lambda cfg=cfg: _launch(call, call.signature, call.operands, scratch, cfg),
+            mainloop=lambda cfg=cfg: _launch(call, "acc", [], bare, cfg)))
+    return out

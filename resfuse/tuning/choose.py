@@ -1,0 +1,133 @@
+"""Which provider and config runs a fused op: remembered, or measured on first sight of a shape.
+
+Entry points: `choose(call) -> Choice`, called by the custom ops on every CUDA call (a dict hit after the
+first); `configure(level, cache_dir, budget_s, force)`, called by resfuse.compile; `tune(call, bench=...)`,
+the measurement itself (tests inject the benchmarker).
+
+Order of lookup: this process's choices, then the SQLite cache (tuning/cache.py), then tuning with the
+two-stage selection (select.py) over the providers' candidates, stored unless the budget ran out. With
+level "none", or on CPU (interpreter timings mean nothing), or once the wall-clock budget is spent, the
+heuristic Triton config runs and nothing is stored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+
+from .. import providers
+from ..kernels import codegen, conv2d_fprop, matmul
+from . import select
+from .cache import Entry, Key, TuningCache, environment
+
+TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float32: 2e-3}  # fp32 runs as tf32
+
+
+@dataclasses.dataclass
+class Call:
+    """One invocation of a fused op, as the providers need it."""
+    op: str  # "conv2d" | "gemm"
+    inputs: tuple  # (x, w) or (a, b)
+    operands: list
+    signature: str
+    params: tuple  # conv: (stride, padding, dilation); gemm: (out_shape,)
+    out: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    provider: str  # "triton" | "aten"
+    config: object | None  # a kernel config, None for the heuristic default
+
+
+HEURISTIC = Choice("triton", None)
+_SETTINGS = {"level": "fast", "cache_dir": None, "budget_s": 60.0, "force": False}
+_STATE = {"spent_s": 0.0, "cache": None}
+_CHOICES: dict[str, Choice] = {}
+
+
+def configure(level: str, cache_dir: str, budget_s: float, force: bool = False) -> None:
+    if cache_dir != _SETTINGS["cache_dir"]:
+        _STATE["cache"] = None
+    if force and not _SETTINGS["force"]:
+        _CHOICES.clear()  # a forced re-tune measures again what this process already chose
+    _SETTINGS.update(level=level, cache_dir=cache_dir, budget_s=budget_s, force=force)
+
+
+def _cache() -> TuningCache:
+    if _STATE["cache"] is None:
+        _STATE["cache"] = TuningCache(Path(_SETTINGS["cache_dir"]) / "tuning.sqlite")
+    return _STATE["cache"]
+
+
+def key(call: Call) -> Key:
+    tensors = [*call.inputs, *call.operands, call.out]
+    gpu, sms, versions = environment(call.out.device, str(codegen.TEMPLATE_VERSION))
+    flat = tuple(tuple(x) if isinstance(x, (list, tuple)) else x for x in call.params)
+    return Key(call.op, (*[tuple(t.shape) for t in call.inputs], flat), tuple(str(t.dtype) for t in tensors),
+               tuple(tuple(t.stride()) for t in tensors), call.signature, gpu, sms, versions)
+
+
+def _config(op: str, fields: dict):
+    return (conv2d_fprop.ConvConfig if op == "conv2d" else matmul.GemmConfig)(**fields)
+
+
+def choose(call: Call) -> Choice:
+    level = _SETTINGS["level"]
+    if level == "none" or not _tunable(call.out.device):
+        return HEURISTIC
+    k = key(call)
+    digest = k.digest()
+    if digest in _CHOICES:
+        return _CHOICES[digest]
+    entry = None if _SETTINGS["force"] else _cache().get(k)
+    if entry is None:
+        remaining = _SETTINGS["budget_s"] - _STATE["spent_s"]
+        if remaining <= 0:
+            return HEURISTIC  # budget spent: heuristic now, tuned on a later run
+        start = time.monotonic()
+        entry = tune(call, bench=_bench, level=level, budget_s=remaining)
+        _STATE["spent_s"] += time.monotonic() - start
+        if entry is None:
+            return HEURISTIC
+        _cache().put(k, entry, replace=_SETTINGS["force"])
+    choice = Choice(entry.provider, _config(call.op, entry.config) if entry.provider == "triton" else None)
+    _CHOICES[digest] = choice
+    return choice
+
+
+def _tunable(device: torch.device) -> bool:
+    return device.type == "cuda"  # interpreter timings on CPU say nothing about a GPU
+
+
+def _bench(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median") / 1e3
+
+
+def tune(call: Call, *, bench, level: str, budget_s: float = float("inf"), report=print) -> Entry | None:
+    """Measure the providers' candidates for `call` and return the winner as a cache entry."""
+    reference = _reference(call)
+    outcome = select.select(providers.candidates(call, level), reference, bench=bench,
+                            tol=TOLERANCE[call.out.dtype], top_k=2 if level == "fast" else 4, budget_s=budget_s)
+    if outcome.winner is None:
+        report(f"resfuse: tuning {call.op} {call.signature} found no correct candidate: {outcome.discarded}")
+        return None
+    best = outcome.times[outcome.winner.name]
+    vs_aten = outcome.times.get("aten", float("nan")) / best
+    shape = "x".join(map(str, call.out.shape))
+    report(f"resfuse: tuned {call.op} {shape} {call.signature}: {outcome.winner.name} {best * 1e6:.1f} us, "
+           f"{vs_aten:.2f}x over aten")
+    top = dict(sorted(outcome.times.items(), key=lambda kv: kv[1])[:5])
+    return Entry(outcome.winner.provider, outcome.winner.config, top)
+
+
+def _reference(call: Call) -> torch.Tensor:
+    """The unfused computation in fp32 from upcast inputs: what every candidate is checked against."""
+    up = dataclasses.replace(call, inputs=tuple(t.float() for t in call.inputs),
+                             operands=[t.float() for t in call.operands],
+                             out=torch.empty_like(call.out, dtype=torch.float32))
+    return providers.aten.run(up, up.out)

@@ -1,0 +1,52 @@
+"""The tuning space per level: which kernel configs the triton provider offers for one fused op.
+
+Entry point: `configs(call, level)`. The space itself is declared beside each kernel (`SPACE` and the
+config's `check` in kernels/matmul.py and kernels/conv2d_fprop.py); here it is pruned by level:
+  none  the heuristic default only (no tuning);
+  fast  the default and a few tile shapes around it that suit Hopper (the default level);
+  max   every point of SPACE that passes `check` (hundreds of compiles: slow).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from ..kernels import conv2d_fprop, matmul
+from ..kernels.launch import _sms
+
+# (block_m, block_n, num_warps, num_stages) tried by "fast", besides the heuristic default
+FAST_TILES = ((128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4), (128, 256, 8, 3), (256, 128, 8, 3),
+              (64, 64, 4, 4))
+LEVELS = ("none", "fast", "max")
+
+
+def problem(call):
+    dev = call.out.device
+    if call.op == "conv2d":
+        x, w = call.inputs
+        oh, ow = call.out.shape[2:]
+        return conv2d_fprop.ConvProblem(x.shape[0], x.shape[1], w.shape[0], w.shape[2], w.shape[3], oh, ow,
+                                        x.element_size(), _sms(dev))
+    a, b = call.inputs
+    batch = a.shape[0] if a.dim() == 3 else 1
+    return matmul.GemmProblem(batch, a.shape[-2], b.shape[-1], a.shape[-1], a.element_size(), _sms(dev))
+
+
+def configs(call, level: str) -> list:
+    if level not in LEVELS:
+        raise ValueError(f"tuning level {level!r}: one of {LEVELS}")
+    module = conv2d_fprop if call.op == "conv2d" else matmul
+    p = problem(call)
+    default = module.default_config(p)
+    if level == "none":
+        return [default]
+    if level == "max":
+        cls = type(default)
+        points = (cls(**dict(zip(module.SPACE, values))) for values in itertools.product(*module.SPACE.values()))
+        found = [c for c in points if c.check(p)]
+    else:
+        found = [default] + [dataclasses.replace(default, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
+                             for bm, bn, nw, ns in FAST_TILES]
+        if default.split_k > 1:
+            found.append(dataclasses.replace(default, split_k=1))
+    return [c for c in dict.fromkeys(found) if c.check(p)]

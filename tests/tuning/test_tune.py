@@ -1,0 +1,84 @@
+"""The tuner end to end under Triton's interpreter on tiny shapes: real candidates, injected timings."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from resfuse import kernels
+from resfuse.tuning import choose as ch
+
+SIG = "relu(add(bn[#1e-05](acc,c0,c1,c2,c3),full4))"
+
+
+@pytest.fixture(autouse=True)
+def _interpret():
+    kernels.set_options(interpret=True)
+
+
+def conv_call():
+    x, w = torch.randn(1, 4, 5, 5), torch.randn(6, 4, 3, 3)
+    vecs = [torch.randn(6), torch.rand(6) + 0.5, torch.randn(6), torch.randn(6)]
+    r = torch.randn(1, 6, 5, 5)
+    return ch.Call("conv2d", (x, w), [*vecs, r], SIG, ([1, 1], [1, 1], [1, 1]), torch.empty(1, 6, 5, 5))
+
+
+def bench_favouring(provider):
+    """Run the candidate (so it is exercised) and time it by which provider module defined it."""
+    def bench(fn):
+        fn()
+        return 1.0 if provider in fn.__code__.co_filename else 2.0
+    return bench
+
+
+@pytest.mark.parametrize("winner", ["aten", "triton"])
+def test_tune_runs_both_stages_and_keeps_the_fastest_correct(winner):
+    lines = []
+    entry = ch.tune(conv_call(), bench=bench_favouring(winner), level="fast", report=lines.append)
+    assert entry.provider == winner
+    assert "aten" in entry.times and any(k.startswith("triton:") for k in entry.times)
+    assert "tuned conv2d" in lines[0]
+
+
+def test_wrong_kernel_is_never_chosen(monkeypatch):
+    """A triton config that computes garbage loses to aten even when it is 'faster'."""
+    from resfuse.providers import triton as prov
+
+    real = prov._launch
+    monkeypatch.setattr(prov, "_launch", lambda call, sig, ops, out, cfg: real(call, sig, ops, out, cfg).mul_(2))
+    entry = ch.tune(conv_call(), bench=bench_favouring("triton"), level="fast", report=lambda s: None)
+    assert entry.provider == "aten"
+
+
+def test_choose_tunes_once_caches_and_force_retunes(tmp_path, monkeypatch):
+    monkeypatch.setattr(ch, "_tunable", lambda device: True)
+    calls = []
+    monkeypatch.setattr(ch, "_bench", lambda fn: calls.append(fn) or bench_favouring("triton")(fn))
+    monkeypatch.setattr(ch, "_CHOICES", {})
+    ch.configure("fast", str(tmp_path), budget_s=600)
+    call = conv_call()
+    first = ch.choose(call)
+    assert first.provider == "triton" and first.config is not None and calls
+    n = len(calls)
+    assert ch.choose(call) == first and len(calls) == n  # in-process hit
+    ch._CHOICES.clear()
+    assert ch.choose(call) == first and len(calls) == n  # cache hit, nothing measured
+    monkeypatch.setattr(ch, "_bench", bench_favouring("aten"))
+    ch.configure("fast", str(tmp_path), budget_s=600, force=True)
+    assert ch.choose(call).provider == "aten"  # force-retune measured again and replaced the entry
+    ch.configure("fast", str(tmp_path), budget_s=600, force=False)
+    ch._CHOICES.clear()
+    assert ch.choose(call).provider == "aten"
+    # the chosen config really runs: the op's output equals the unfused math
+    out = kernels.conv2d(*call.inputs, call.operands, SIG, *call.params, torch.full_like(call.out, float("nan")),
+                         first.config)
+    x, w = call.inputs
+    m, v, g, b, r = call.operands
+    ref = torch.relu(F.batch_norm(F.conv2d(x, w, padding=1), m, v, g, b, eps=1e-5) + r)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_budget_spent_runs_the_heuristic_and_stores_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(ch, "_tunable", lambda device: True)
+    monkeypatch.setattr(ch, "_CHOICES", {})
+    ch.configure("fast", str(tmp_path), budget_s=0)
+    assert ch.choose(conv_call()) == ch.HEURISTIC
+    assert ch._cache().entries() == []
