@@ -56,7 +56,9 @@ def main():
     torch.backends.cudnn.benchmark = True
     if args.warm_child:
         t, *_ = first_output_s(args.model, int(args.warm_child[0]), args.warm_child[1], False)
-        print(json.dumps({"warm_s": t}))
+        from resfuse.tuning import choose
+
+        print(json.dumps({"warm_s": t, "tuned_s": choose._STATE["spent_s"], "choices": len(choose._CHOICES)}))
         return
     rows, log = [], []
     for batch in args.batch:
@@ -69,9 +71,11 @@ def main():
             ro = torch.compile(model, mode="reduce-overhead")
             t = {"eager": median_ms(model, x), "reduce-overhead": median_ms(ro, x),
                  "resfuse": median_ms(compiled, x), "resfuse+graphs": median_ms(graphed, x)}
-        warm = json.loads(subprocess.run([sys.executable, __file__, "--model", args.model, "--warm-child",
-                                          str(batch), cache_dir], capture_output=True, text=True,
-                                         check=True).stdout.strip().splitlines()[-1])["warm_s"]
+        child = json.loads(subprocess.run([sys.executable, __file__, "--model", args.model, "--warm-child",
+                                           str(batch), cache_dir], capture_output=True, text=True,
+                                          check=True).stdout.strip().splitlines()[-1])
+        warm = child["warm_s"]
+        log.append(f"bs{batch} warm start: {child}")
         from resfuse.tuning.cache import TuningCache
 
         entries = TuningCache(os.path.join(cache_dir, "tuning.sqlite")).entries()
@@ -85,7 +89,7 @@ def main():
         rows.append((batch, cold, warm, t, err, {k: (len(v), sum(v) / len(v)) for k, v in wins.items()}))
     with open(os.path.join(args.out, "tune.log"), "w") as f:
         f.write("\n".join(log))
-    print("\n".join(log[-60:]))
+    print("\n".join(log[-40:]))
     print(f"\n{args.model} fp16 channels_last on {torch.cuda.get_device_name()}; median ms; tuning level fast")
     for batch, cold, warm, t, err, wins in rows:
         print(f"bs{batch}: cold first output {cold:.1f} s, warm {warm:.1f} s, rel err {err:.1e}; "

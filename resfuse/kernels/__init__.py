@@ -4,6 +4,7 @@ Entry points, called by ops/fused.py:
   available(device)                                  can a kernel run on this device now?
   conv2d(x, w, operands, signature, stride, padding, dilation, out, config=None) -> out
   gemm(a, b, operands, signature, out, config=None) -> out
+  epilogue(acc, operands, signature, out, channel_dim) -> out   the epilogue alone, on an ATen result
   set_options(interpret=..., cache_dir=..., split_k=...)   process-wide, set by resfuse.compile
 
 Triton decides at decoration time whether a kernel is compiled or interpreted, so the interpreter switch is
@@ -65,6 +66,11 @@ def available(device: torch.device) -> bool:
 def conv2d(x, w, operands, signature, stride, padding, dilation, out, config=None):
     from .launch import conv2d as run
     return run(x, w, operands, signature, stride, padding, dilation, out, config)
+
+
+def epilogue(acc, operands, signature, out, channel_dim):
+    from .launch import epilogue as run
+    return run(acc, operands, signature, out, channel_dim)
 
 
 def gemm(a, b, operands, signature, out, config=None):

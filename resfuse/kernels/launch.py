@@ -14,6 +14,7 @@ import triton
 
 from .. import epilogue as epi
 from . import codegen, options, split_k
+from .elementwise import FAMILY as EWISE_FAMILY, default_config as ewise_config
 from .conv2d_fprop import FAMILY as CONV_FAMILY, ConvConfig, ConvProblem, default_config as conv_config
 from .matmul import FAMILY as GEMM_FAMILY, GemmConfig, GemmProblem, default_config as gemm_config
 
@@ -169,3 +170,30 @@ def _conv_plan(x, w, operands, signature, stride, padding, dilation, out, config
                 PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return Plan(codegen.load(CONV_FAMILY, signature), (tiles, 1, split), head,
                 _operand_strides(signature, operands, out.shape, 1), meta, (tiles, split, cfg.block_m, cfg.block_n))
+
+
+def epilogue(acc: torch.Tensor, operands, signature: str, out: torch.Tensor, channel_dim: int) -> torch.Tensor:
+    """Apply the epilogue to an accumulator already in memory (`acc`, shaped like `out`), in one kernel."""
+    key = _key("ewise", signature, channel_dim, acc, out, *operands)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _ewise_plan(acc, operands, signature, out, channel_dim)
+    if plan is not None:
+        acc3 = epi.rows3(acc, acc.shape, channel_dim)
+        plan.launch((acc3,), out, operands, signature, out.shape, channel_dim)
+    return out
+
+
+def _ewise_plan(acc, operands, signature, out, channel_dim) -> Plan | None:
+    if out.numel() == 0:
+        return None
+    acc3, out3 = epi.rows3(acc, acc.shape, channel_dim), epi.rows3(out, out.shape, channel_dim)
+    if out3.data_ptr() != out.data_ptr() or any(st == 0 for st in out3.stride()[1:]):
+        raise NotImplementedError(f"output strides {out.stride()} are not an [S, P, C] view")
+    s, p, c = out3.shape
+    cfg = ewise_config(c)
+    tiles = triton.cdiv(s * p, cfg.block_m) * triton.cdiv(c, cfg.block_n)
+    head = [s * p, c, p, *acc3.stride(), out3.stride(0), out3.stride(1), out3.stride(2)]
+    meta = dict(BM=cfg.block_m, BN=cfg.block_n, SPLIT_K=1, num_warps=cfg.num_warps)
+    return Plan(codegen.load(EWISE_FAMILY, signature), (tiles, 1, 1), head,
+                _operand_strides(signature, operands, out.shape, channel_dim), meta, (tiles, 1, cfg.block_m, cfg.block_n))

@@ -7,6 +7,7 @@ implementations, so a rewritten graph can be re-traced, exported and CUDA-graphe
 Paths, recorded in PATHS so that the report can say which one ran:
   "reference"  the unfused ATen computation followed by the epilogue tree in torch (CPU, and the fallback);
   "triton"     our Triton kernel (CUDA, or CPU under the interpreter when kernels.interpret is on);
+  "epilogue"   cuDNN/cuBLAS, then the epilogue in one Triton kernel (chosen by the tuner);
   "aten"       the same ATen computation as "reference", chosen by the tuner because it measured faster.
 """
 from __future__ import annotations
@@ -76,6 +77,9 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, operands: Sequence[torch.Tenso
         if choice.provider == "triton":
             return kernels.conv2d(x, weight, list(operands), epilogue, list(stride), list(padding), list(dilation),
                                   out, choice.config)
+        if choice.provider == "epilogue":
+            from ..providers import epilogue as two_kernels
+            return two_kernels.run(call, out)
     else:
         _record("conv2d", epilogue, "reference")
     return conv2d_reference(x, weight, operands, epilogue, stride, padding, dilation, out)
@@ -106,10 +110,14 @@ def gemm(a: torch.Tensor, b: torch.Tensor, operands: Sequence[torch.Tensor], epi
         from .. import kernels
         from ..tuning.choose import Call, choose
 
-        choice = choose(Call("gemm", (a, b), list(operands), epilogue, (list(out_shape),), out))
+        call = Call("gemm", (a, b), list(operands), epilogue, (list(out_shape),), out)
+        choice = choose(call)
         _record("gemm", epilogue, choice.provider)
         if choice.provider == "triton":
             return kernels.gemm(a, b, list(operands), epilogue, out, choice.config)
+        if choice.provider == "epilogue":
+            from ..providers import epilogue as two_kernels
+            return two_kernels.run(call, out)
     else:
         _record("gemm", epilogue, "reference")
     return gemm_reference(a, b, operands, epilogue, out_shape, out)

@@ -3,17 +3,18 @@
 Entry point: `candidates(call, level) -> list[tuning.select.Candidate]`. Each provider module has
 `refusal(call) -> str | None` (can it run this op at all?) and `candidates(call, level)`.
   triton  our templates x the configs of tuning/space.py (with an epilogue-free twin for stage 1);
+  epilogue  cuDNN/cuBLAS, then the whole epilogue in one generated Triton kernel (torch.compile's way);
   aten    the unfused baseline: cuDNN/cuBLAS, then the epilogue as separate torch ops.
 A cuDNN-frontend provider (one fused cuDNN graph) is not written yet.
 """
 from __future__ import annotations
 
-from . import aten, triton
+from . import aten, epilogue, triton
 
-PROVIDERS = {"triton": triton, "aten": aten}
+PROVIDERS = {"triton": triton, "epilogue": epilogue, "aten": aten}
 
 
-def candidates(call, level: str, allowed=("triton", "aten")) -> list:
+def candidates(call, level: str, allowed=tuple(PROVIDERS)) -> list:
     out = []
     for name in allowed:
         provider = PROVIDERS.get(name)

@@ -1,0 +1,52 @@
+"""Epilogue-only family: the accumulator comes from memory (a cuDNN conv's or cuBLAS matmul's output) and
+one generated kernel applies the whole epilogue to it. The "aten+epilogue" provider, torch.compile's way of
+fusing, which the tuner weighs against our fused kernels and the fully unfused baseline.
+
+Entry points: `ewise_mainloop` (@triton.jit, wrapped by codegen.py), `FAMILY`, `EwiseConfig`, `default_config`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import triton
+import triton.language as tl
+
+from .codegen import Family
+from .tiles import cdiv
+
+
+@triton.jit
+def ewise_mainloop(src, M, N, RPS, s_ss, s_sp, s_sc, s_os, s_op,
+                   BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Load one [BM, BN] tile of the [S, P, C] source as the fp32 accumulator; rows run over S * P."""
+    pid = tl.program_id(0)
+    tiles_n = cdiv(N, BN)
+    offs_m = (pid // tiles_n) * BM + tl.arange(0, BM)
+    offs_n = (pid % tiles_n) * BN + tl.arange(0, BN)
+    s_idx = offs_m // RPS
+    p_idx = offs_m % RPS
+    row_ok = offs_m < M
+    ok = row_ok[:, None] & (offs_n < N)[None, :]
+    acc = tl.load(src + (s_idx * s_ss + p_idx * s_sp)[:, None] + offs_n[None, :] * s_sc, mask=ok, other=0.0)
+    return acc.to(tl.float32), pid, 0, s_idx, p_idx, row_ok, s_idx * s_os + p_idx * s_op, offs_n
+
+
+FAMILY = Family(
+    name="ewise", module=__name__, mainloop="ewise_mainloop",
+    args=("src", "M", "N", "RPS", "s_ss", "s_sp", "s_sc", "s_os", "s_op"),
+    constexprs=("BM", "BN", "SPLIT_K"),
+    n_cols="N", s_out_c="s_oc",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class EwiseConfig:
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+
+
+def default_config(channels: int) -> EwiseConfig:
+    """Wide tiles along the channels (contiguous in channels_last and in a GEMM's rows)."""
+    bn = 128 if channels >= 128 else 64 if channels >= 64 else 32
+    return EwiseConfig(block_m=8192 // bn // 2, block_n=bn, num_warps=4)
