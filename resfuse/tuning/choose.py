@@ -5,7 +5,8 @@ first); `configure(level, cache_dir, budget_s, force)`, called by resfuse.compil
 the measurement itself (tests inject the benchmarker).
 
 Order of lookup: this process's choices, then the SQLite cache (tuning/cache.py), then tuning with the
-two-stage selection (select.py) over the providers' candidates, stored unless the budget ran out. With
+two-stage selection (select.py) over the providers' candidates, stored unless the budget ran out (an op
+with no candidate that matches the reference runs the unfused ATen path, remembered in-process). With
 level "none", or on CPU (interpreter timings mean nothing), or once the wall-clock budget is spent, the
 heuristic Triton config runs and nothing is stored.
 """
@@ -43,6 +44,7 @@ class Choice:
 
 
 HEURISTIC = Choice("triton", None)
+UNFUSED = Choice("aten", None)
 _SETTINGS = {"level": "fast", "cache_dir": None, "budget_s": 60.0, "force": False}
 _STATE = {"spent_s": 0.0, "cache": None}
 _CHOICES: dict[str, Choice] = {}
@@ -91,7 +93,9 @@ def choose(call: Call) -> Choice:
         entry = tune(call, bench=_bench, level=level, budget_s=remaining)
         _STATE["spent_s"] += time.monotonic() - start
         if entry is None:
-            return HEURISTIC
+            # nothing matched the fp32 reference: run what eager runs, and don't measure this op again
+            _CHOICES[fast] = UNFUSED
+            return UNFUSED
         _cache().put(k, entry, replace=_SETTINGS["force"])
     choice = Choice(entry.provider, _config(call.op, entry.config) if entry.provider == "triton" else None)
     _CHOICES[fast] = choice

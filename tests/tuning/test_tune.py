@@ -104,3 +104,17 @@ def test_every_provider_path_of_the_ops_gives_the_unfused_result(monkeypatch):
         out = torch.ops.resfuse.gemm(gemm_a, gemm_b, [bias], "gelu(add(acc,c0))", [7, 3], "triton")
         torch.testing.assert_close(out, F.gelu(gemm_a @ gemm_b + bias), rtol=1e-4, atol=1e-4)
         assert fused.PATHS[("conv2d", SIG, provider)] >= 1
+
+
+def test_no_correct_candidate_runs_unfused_and_is_not_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(ch, "_tunable", lambda device: True)
+    monkeypatch.setattr(ch, "_CHOICES", {})
+    monkeypatch.setattr(ch, "_reference", lambda call: torch.zeros_like(call.out) + 1e3)  # nobody matches
+    calls = []
+    monkeypatch.setattr(ch, "_bench", lambda fn: calls.append(fn) or 1.0)
+    ch.configure("fast", str(tmp_path), budget_s=600)
+    call = conv_call()
+    assert ch.choose(call) == ch.UNFUSED
+    n = len(calls)
+    assert ch.choose(call) == ch.UNFUSED and len(calls) == n
+    assert ch._cache().entries() == []
