@@ -17,21 +17,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import resfuse  # noqa: E402
-from resfuse.bench import models  # noqa: E402
+from resfuse.bench import models, timing  # noqa: E402
 
 
 def median_ms(fn, x, iters=50):
-    for _ in range(5):
-        fn(x)
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn(x)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return sorted(times)[len(times) // 2]
+    """Median CUDA-event latency of fn(x) over one input set (the harness's timer)."""
+    return timing.latency(fn, [(x,)], x.device, iters, warmup=5).median_ms
 
 
 def main():

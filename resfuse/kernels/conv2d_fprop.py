@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .codegen import Family
-from .matmul import split_k_heuristic
+from .matmul import split_k_heuristic, tiles_fit
 from .tiles import cdiv, k_range, mma, swizzle_tile
 
 
@@ -123,9 +123,7 @@ class ConvConfig:
     num_stages: int = 3
 
     def check(self, p: ConvProblem) -> bool:
-        smem = self.num_stages * (self.block_m + self.block_n) * self.block_k * p.dtype_bytes
-        return (min(self.block_m, self.block_n, self.block_k) >= 16 and self.split_k >= 1
-                and smem <= 220 * 1024 and self.num_warps in (2, 4, 8))
+        return tiles_fit(self, p.dtype_bytes)
 
 
 SPACE = {  # the tuner (tuning/space.py) enumerates this product and keeps the configs that pass check()

@@ -95,9 +95,15 @@ class GemmConfig:
     num_stages: int = 3
 
     def check(self, p: GemmProblem) -> bool:
-        smem = self.num_stages * (self.block_m + self.block_n) * self.block_k * p.dtype_bytes
-        return (min(self.block_m, self.block_n, self.block_k) >= 16 and self.split_k >= 1
-                and smem <= 220 * 1024 and self.num_warps in (2, 4, 8))
+        return tiles_fit(self, p.dtype_bytes)
+
+
+def tiles_fit(cfg, dtype_bytes: int) -> bool:
+    """A config's tiles suit the hardware: tensor-core minimum sizes, the pipelined A and B tiles in shared
+    memory (Hopper: 228 KB a block, some kept back), and a legal warp count. Shared by both families."""
+    smem = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * dtype_bytes
+    return (min(cfg.block_m, cfg.block_n, cfg.block_k) >= 16 and cfg.split_k >= 1
+            and smem <= 220 * 1024 and cfg.num_warps in (2, 4, 8))
 
 
 SPACE = {  # the tuner (tuning/space.py) enumerates this product and keeps the configs that pass check()
