@@ -30,10 +30,10 @@ def compile_graph(gm: fx.GraphModule, example_inputs, *, config: Config, graph: 
 
     With run_graph=False (explain) the report is made but the captured ATen graph runs instead.
     """
-    original = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     if graph not in REWRITTEN:
         report.graphs.append(graph)
         return gm
+    original = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # the passes rewrite gm in place
     try:
         gm = run_passes(gm, PassContext(config, graph, report))
     except Exception as e:  # never crash the user's model: fall back to the captured graph, and say why
