@@ -98,7 +98,6 @@ def test_dynamic_shapes_fall_back_and_are_reported(block):
 
 
 def test_channels_last_survives_without_layout_conversions(block):
-    import functools
 
     from torch._dynamo.backends.common import aot_autograd
 

@@ -12,7 +12,6 @@ import torch
 import torch.fx as fx
 
 from .. import epilogue as epi
-from ..ops import fused
 from . import legality
 
 aten = torch.ops.aten
