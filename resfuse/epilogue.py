@@ -104,6 +104,10 @@ OPS: dict[str, OpSpec] = {
     "hardswish": OpSpec(1, F.hardswish, lambda x: f"({x} * {_clamp_tl(f'({x} + 3.0)', 0.0, 6.0)} / 6.0)"),
     "hardsigmoid": OpSpec(1, F.hardsigmoid, lambda x: f"({_clamp_tl(f'({x} + 3.0)', 0.0, 6.0)} / 6.0)"),
     "tanh": OpSpec(1, torch.tanh, _tanh_tl),
+    # relu's gradient (aten.threshold_backward): the incoming gradient where the forward input y was above the
+    # threshold, else 0; params: threshold
+    "threshold_bwd": OpSpec(2, lambda g, y, t: torch.where(y <= t, torch.zeros_like(g), g),
+                            lambda g, y, t: f"tl.where({y} <= {t!r}, 0.0, {g})"),
     # inference batch norm over per-channel mean, var, weight, bias; params: eps
     "bn": OpSpec(5, lambda x, m, v, w, b, eps: (x - m) * torch.rsqrt(v + eps) * w + b,
                  lambda x, m, v, w, b, eps: f"(({x} - {m}) * tl.rsqrt({v} + {eps!r}) * {w} + {b})"),
@@ -137,7 +141,7 @@ def label(op: Op) -> str:
         return "bias"
     if op.name == "clamp":
         return "relu6" if tuple(op.params) == (0.0, 6.0) else "clamp"
-    return {"gelu_tanh": "gelu"}.get(op.name, op.name)
+    return {"gelu_tanh": "gelu", "threshold_bwd": "drelu"}.get(op.name, op.name)
 
 
 def pattern_ops(node: Node) -> list[str]:

@@ -71,3 +71,13 @@ def test_operand_views_put_1d_vectors_on_the_channel_dim():
     assert epi.operand_kind(epi.rows3(torch.ones(2, 4, 1, 1), (2, 4, 3, 3), 1)) == "nc"
     assert epi.operand_kind(epi.rows3(torch.ones(2, 4, 3, 3), (2, 4, 3, 3), 1)) == "full"
     assert math.isnan(epi.reference(epi.Op("relu", (epi.ACC,)), torch.tensor([[[math.nan]]]), []).item())
+
+
+def test_threshold_bwd_is_atens_relu_gradient():
+    g = torch.randn(2, 5, 3, dtype=torch.float64)
+    y = torch.randn(2, 5, 3, dtype=torch.float64)
+    y[0, 0, 0], g[1, 1, 1] = float("nan"), float("nan")
+    tree = epi.parse("threshold_bwd[#0.0](acc,full0)")
+    assert epi.pattern_ops(tree) == ["drelu"]
+    torch.testing.assert_close(epi.reference(tree, g, [y]), torch.ops.aten.threshold_backward(g, y, 0.0),
+                               equal_nan=True)

@@ -41,8 +41,11 @@ def trees(draw, kinds=("c", "nc", "full"), max_steps=4):
         return Operand(len(roles) - 1, kind)
 
     for _ in range(draw(st.integers(1, max_steps))):
-        step = draw(st.sampled_from(["unary", "binary", "binary", "bn"]))
-        if step == "unary":
+        step = draw(st.sampled_from(["unary", "binary", "binary", "bn", "drelu"]))
+        if step == "drelu":  # relu's gradient, masked by a (forward) tensor of any kind
+            node = Op("threshold_bwd", (node, operand(draw(st.sampled_from(kinds)), "any")),
+                      (draw(st.sampled_from([0.0, 0.5])),))
+        elif step == "unary":
             node = _unary(draw, node)
         elif step == "bn":
             args = (operand("c", "any"), operand("c", "positive"), operand("c", "any"), operand("c", "any"))
