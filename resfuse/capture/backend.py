@@ -17,6 +17,7 @@ from torch._dynamo.backends.common import aot_autograd
 from .. import kernels
 from ..config import Config
 from ..passes import PassContext, run_passes
+from ..passes.attention_mask import contiguous_attention_masks
 from ..passes.report import Report
 from .cuda_graphs import CudaGraphed
 
@@ -56,10 +57,16 @@ def make_backend(config: Config, report: Report, run_graph: bool = True):
 
         configure(config.tuning, config.cache_dir, config.tuning_budget_s, config.retune)
     step = functools.partial(compile_graph, config=config, report=report, run_graph=run_graph)
-    return aot_autograd(fw_compiler=functools.partial(step, graph="forward"),
-                        bw_compiler=functools.partial(step, graph="backward"),
-                        inference_compiler=functools.partial(step, graph="inference"),
-                        keep_inference_input_mutations=True)
+    lower = aot_autograd(fw_compiler=functools.partial(step, graph="forward"),
+                         bw_compiler=functools.partial(step, graph="backward"),
+                         inference_compiler=functools.partial(step, graph="inference"),
+                         keep_inference_input_mutations=True)
+
+    def backend(gm: fx.GraphModule, example_inputs):
+        gm = contiguous_attention_masks(gm, report)  # before aot_autograd: its trace picks the attention kernel
+        return lower(gm, example_inputs)
+
+    return backend
 
 
 def resfuse_backend(gm: torch.fx.GraphModule, example_inputs, **options):

@@ -66,6 +66,7 @@ class Report:
     rejected_by_node: dict = dataclasses.field(default_factory=dict)
     graphs: list[str] = dataclasses.field(default_factory=list)
     errors: list[str] = dataclasses.field(default_factory=list)
+    rewrites: list[str] = dataclasses.field(default_factory=list)  # graph changes that are not fusions
 
     @property
     def rejected(self) -> list[Rejection]:
@@ -111,6 +112,7 @@ class Report:
         for r in self.rejected:
             rej.add_row(r.graph, r.node, r.op, r.reason)
         parts = [fused, rej] + [f"[red]error:[/red] {e}" for e in self.errors]
+        parts += [f"rewrite: {r}" for r in self.rewrites]
         total = sum(f.bytes_saved for f in self.fusions)
         parts.append(f"estimated memory traffic saved: {total / 1e6:.1f} MB per call")
         return RGroup(*parts)
@@ -126,4 +128,4 @@ class Report:
         fusions = [{k: v for k, v in dataclasses.asdict(f).items() if k != "calls_before"} for f in self.fusions]
         return {"fusions": [{**d, "ran": f.ran} for d, f in zip(fusions, self.fusions)],
                 "rejected": [dataclasses.asdict(r) for r in self.rejected], "graphs": self.graphs,
-                "errors": self.errors}
+                "errors": self.errors, "rewrites": self.rewrites}

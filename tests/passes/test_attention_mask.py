@@ -1,0 +1,57 @@
+"""The pre-aot attention-mask pass: HF's stride-0 bidirectional mask no longer sends SDPA to fp32 math.
+
+On CPU the flash kernel takes such masks anyway, so these tests check the rewrite and the values; the GPU
+effect (math SDPA -> cuDNN attention) is measured by bench/sdpa_probe.py and `resfuse bench hf-bert-base`.
+"""
+import torch
+import torch.nn.functional as F
+from torch._dynamo.backends.common import aot_autograd
+
+from resfuse.passes.attention_mask import contiguous_attention_masks
+from resfuse.passes.report import Report
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, contiguous: bool):
+        super().__init__()
+        self.contiguous = contiguous
+
+    def forward(self, q, k, v, keep):
+        # the mask HF transformers builds under torch.compile: a bool expand whose last dim has stride 0
+        mask = keep[:, None, :, None].expand(q.shape[0], 1, q.shape[2], k.shape[2])
+        mask = mask.contiguous() if self.contiguous else mask
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask) * 2 + F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask)
+
+
+def _masks_seen(contiguous: bool, inputs):
+    """The last-dim strides of the masks the SDPA calls get, after the pass, and the pass's report."""
+    strides, report = [], Report()
+    lower = aot_autograd(fw_compiler=lambda gm, _: gm, inference_compiler=lambda gm, _: gm)
+
+    def backend(gm, example_inputs):
+        gm = contiguous_attention_masks(gm, report)
+        strides.extend(n.kwargs["attn_mask"].meta["example_value"].stride(-1) for n in gm.graph.nodes
+                       if n.op == "call_function" and "scaled_dot_product" in str(n.target))
+        return lower(gm, example_inputs)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(Attention(contiguous), backend=backend)(*inputs)
+    return strides, report, out
+
+
+def test_stride0_mask_is_made_contiguous_once_and_keeps_the_values():
+    q, k, v = (torch.randn(2, 3, 7, 8) for _ in range(3))
+    keep = torch.rand(2, 7) > 0.3
+    keep[:, 0] = True  # no fully masked row
+    strides, report, out = _masks_seen(False, (q, k, v, keep))
+    assert strides == [1, 1]
+    assert len(report.rewrites) == 1 and "stride 0" in report.rewrites[0]  # one copy, shared by both calls
+    torch.testing.assert_close(out, Attention(False)(q, k, v, keep), rtol=1e-5, atol=1e-5)
+
+
+def test_a_contiguous_mask_is_left_alone():
+    q, k, v = (torch.randn(2, 3, 7, 8) for _ in range(3))
+    strides, report, _ = _masks_seen(True, (q, k, v, torch.rand(2, 7) > 0.3))
+    assert strides == [1, 1] and report.rewrites == []
