@@ -21,8 +21,8 @@ from ..passes.attention_mask import contiguous_attention_masks
 from ..passes.report import Report
 from .cuda_graphs import CudaGraphed
 
-# Graph kinds the passes rewrite today; training graphs flow through untouched until the training issue lands.
-REWRITTEN = ("inference",)
+# Graph kinds the passes rewrite: all of them (aot_autograd's inference graph, or training's forward and backward).
+REWRITTEN = ("inference", "forward", "backward")
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs, *, config: Config, graph: str, report: Report,

@@ -3,6 +3,8 @@
 Entry points, called by ops/fused.py:
   available(device)                                  can a kernel run on this device now?
   conv2d(x, w, operands, signature, stride, padding, dilation, out, config=None) -> out
+  conv2d_dgrad(grad_out, w, operands, signature, stride, padding, dilation, out, config=None) -> out
+                                                     grad_input of conv2d(input, w), with the epilogue
   gemm(a, b, operands, signature, out, config=None) -> out
   epilogue(acc, operands, signature, out, channel_dim) -> out   the epilogue alone, on an ATen result
   set_options(interpret=..., cache_dir=..., split_k=...)   process-wide, set by resfuse.compile
@@ -68,6 +70,11 @@ def conv2d(x, w, operands, signature, stride, padding, dilation, out, config=Non
     return run(x, w, operands, signature, stride, padding, dilation, out, config)
 
 
+def conv2d_dgrad(grad_out, w, operands, signature, stride, padding, dilation, out, config=None):
+    from .launch import conv2d_dgrad as run
+    return run(grad_out, w, operands, signature, stride, padding, dilation, out, config)
+
+
 def epilogue(acc, operands, signature, out, channel_dim):
     from .launch import epilogue as run
     return run(acc, operands, signature, out, channel_dim)
@@ -76,3 +83,10 @@ def epilogue(acc, operands, signature, out, channel_dim):
 def gemm(a, b, operands, signature, out, config=None):
     from .launch import gemm as run
     return run(a, b, operands, signature, out, config)
+
+
+def batch_norm_train(x, weight, bias, running_mean, running_var, operands, signature, momentum, eps, out=None,
+                     config=None):
+    """Training batch norm + epilogue -> (y, save_mean, save_invstd, new_running_mean, new_running_var)."""
+    from .batch_norm import batch_norm_train as run
+    return run(x, weight, bias, running_mean, running_var, operands, signature, momentum, eps, out, config)

@@ -1,8 +1,9 @@
 """Launching the fused kernels: argument checks, [S, P, C] operand views, config choice and the grid.
 
-Entry points: `conv2d(x, w, operands, signature, stride, padding, dilation, out, config=None) -> out` and
-`gemm(a, b, operands, signature, out, config=None) -> out`, reached through resfuse.kernels (ops/fused.py
-calls those). A None config is the heuristic default; the tuner passes measured ones.
+Entry points: `conv2d(x, w, operands, signature, stride, padding, dilation, out, config=None) -> out`,
+`conv2d_dgrad(grad_out, w, operands, signature, stride, padding, dilation, out, config=None) -> out`,
+`gemm(a, b, operands, signature, out, config=None) -> out` and `epilogue(...)`, reached through resfuse.kernels
+(ops/fused.py calls those). A None config is the heuristic default; the tuner passes measured ones.
 `out` is preallocated by the caller; the kernels write into it through its own strides.
 """
 from __future__ import annotations
@@ -15,6 +16,8 @@ import triton
 from .. import epilogue as epi
 from . import codegen, options, split_k
 from .elementwise import FAMILY as EWISE_FAMILY, default_config as ewise_config
+from .conv2d_bwd_data import FAMILY as DGRAD_FAMILY, DgradConfig, DgradProblem, tap_inverse
+from .conv2d_bwd_data import default_config as dgrad_config
 from .conv2d_fprop import FAMILY as CONV_FAMILY, ConvConfig, ConvProblem, default_config as conv_config
 from .matmul import FAMILY as GEMM_FAMILY, GemmConfig, GemmProblem, default_config as gemm_config
 
@@ -170,6 +173,57 @@ def _conv_plan(x, w, operands, signature, stride, padding, dilation, out, config
                 PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return Plan(codegen.load(CONV_FAMILY, signature), (tiles, 1, split), head,
                 _operand_strides(signature, operands, out.shape, 1), meta, (tiles, split, cfg.block_m, cfg.block_n))
+
+
+def conv2d_dgrad(grad_out: torch.Tensor, w: torch.Tensor, operands, signature: str, stride, padding, dilation,
+                 out: torch.Tensor, config: DgradConfig | None = None) -> torch.Tensor:
+    """out = epilogue(grad_input) for the forward conv2d(input, w, stride, padding, dilation), groups=1.
+
+    grad_out is [N, K, OH, OW], w the forward weight [K, C, R, S], out the preallocated grad_input [N, C, H, W]:
+    its H and W (the forward input's) settle what a strided conv's output size leaves open. Any strides.
+    """
+    key = _key("conv2d_dgrad", signature, tuple(stride), tuple(padding), tuple(dilation), config,
+               options()["split_k"], grad_out, w, out, *operands)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _dgrad_plan(grad_out, w, operands, signature, stride, padding, dilation, out, config)
+    if plan is not None:
+        plan.launch((grad_out, w), out, operands, signature, out.shape, 1)
+    return out
+
+
+def _dgrad_plan(grad_out, w, operands, signature, stride, padding, dilation, out, config) -> Plan | None:
+    _check_inputs(grad_out, w, out)
+    if grad_out.dim() != 4 or w.dim() != 4 or out.dim() != 4:
+        raise NotImplementedError(f"conv2d dgrad takes 4-D tensors, got grad_out {tuple(grad_out.shape)}, "
+                                  f"weight {tuple(w.shape)}, out {tuple(out.shape)}")
+    nb, ko, oh, ow = grad_out.shape
+    kw, c, r, s = w.shape
+    h, wd = out.shape[2:]
+    if out.shape[1] != c:
+        raise NotImplementedError(f"conv2d dgrad supports groups=1 only (grad_input C={out.shape[1]}, weight C={c})")
+    expect = tuple((size + 2 * p - d * (k - 1) - 1) // st + 1
+                   for size, k, st, p, d in zip((h, wd), (r, s), stride, padding, dilation))
+    if kw != ko or out.shape[0] != nb or (oh, ow) != expect:
+        raise ValueError(f"conv2d dgrad shapes disagree: grad_out {tuple(grad_out.shape)}, weight {tuple(w.shape)}, "
+                         f"grad_input {tuple(out.shape)} (expected grad_out spatial size {expect})")
+    if out.numel() == 0:
+        return None
+    cfg = config or dgrad_config(DgradProblem(nb, c, ko, r, s, h, wd, stride[0], stride[1], w.element_size(),
+                                              _sms(w.device)))
+    split = _split(cfg.split_k)
+    phases = stride[0] * stride[1]
+    tiles = (triton.cdiv(nb * triton.cdiv(h, stride[0]) * triton.cdiv(wd, stride[1]), cfg.block_m)
+             * triton.cdiv(c, cfg.block_n))
+    (gcd_h, inv_h), (gcd_w, inv_w) = tap_inverse(stride[0], dilation[0]), tap_inverse(stride[1], dilation[1])
+    s_on, s_oc, s_oh, s_ow = out.stride()
+    head = [nb, h, wd, c, ko, oh, ow, r, s, *grad_out.stride(), *w.stride(), s_on, s_oh, s_ow,
+            stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1], gcd_h, gcd_w, inv_h, inv_w, s_oc]
+    meta = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split,
+                PRECISION=_precision(w.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return Plan(codegen.load(DGRAD_FAMILY, signature), (tiles, phases, split), head,
+                _operand_strides(signature, operands, out.shape, 1), meta,
+                (tiles * phases, split, cfg.block_m, cfg.block_n))
 
 
 def epilogue(acc: torch.Tensor, operands, signature: str, out: torch.Tensor, channel_dim: int) -> torch.Tensor:

@@ -14,26 +14,47 @@ import torch.fx as fx
 
 from .. import epilogue as epi
 from . import legality
-from .group import FUSED, Group
-from .match_epilogue import ANCHORS, anchor_refusal, grow
+from .group import Group, fused_op, signature
+from .match_epilogue import VIEWS, anchor_refusal, grow, is_anchor
 
 aten = torch.ops.aten
+
+
+def _gemm_behind_view(node) -> fx.Node | None:
+    """The GEMM whose [M, N] output `node` re-batches to [B, S, N] (a linear layer's view), or None."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target in VIEWS):
+        return None
+    src = node.args[0]
+    gemm = src.target in (aten.mm.default, aten.addmm.default) or (
+        fused_op(src) is src and src.meta["resfuse"]["anchor"] == "gemm")
+    if not (gemm and len(src.users) == 1):
+        return None
+    sv, v = legality.val(src), legality.val(node)
+    if sv is None or v is None or v.shape[-1] != sv.shape[-1] or not sv.is_contiguous():
+        return None
+    return src
 
 
 def _refusal(producer, other: fx.Node, add: fx.Node) -> str | None:
     if not isinstance(producer, fx.Node) or producer.op != "call_function":
         return "not an op that can accumulate into its output"
-    if producer.target not in FUSED and producer.target not in ANCHORS:
+    view_of = _gemm_behind_view(producer)
+    if view_of is not None:
+        return _refusal(view_of, other, add) if legality.same_layout(other, legality.val(producer)) is None \
+            else legality.same_layout(other, legality.val(producer))
+    fused = fused_op(producer)
+    if fused is None and not is_anchor(producer):
         return f"{producer.target} cannot accumulate into its output"
-    if producer.target in ANCHORS:
+    if fused is None:
         why = anchor_refusal(producer)
         if why:
             return why
-    tree = epi.parse(producer.args[3]) if producer.target in FUSED else None
+    tree = epi.parse(signature(fused)) if fused is not None else None
+    through_view = _gemm_behind_view(add.args[0]) is producer or _gemm_behind_view(add.args[1]) is producer
     return legality.first(
-        legality.sole_consumer(producer),
+        not through_view and legality.sole_consumer(producer),
         tree is not None and epi.full_adds(tree) and "the producer has already absorbed an add",
-        legality.same_layout(other, legality.val(producer)),
+        not through_view and legality.same_layout(other, legality.val(producer)),
         legality.no_cycle(other, producer),
         legality.no_alias(other, producer.all_input_nodes),
         legality.no_mutation(producer, other, add),
@@ -41,7 +62,10 @@ def _refusal(producer, other: fx.Node, add: fx.Node) -> str | None:
 
 
 def _absorb(producer: fx.Node, other: fx.Node, add: fx.Node, ctx) -> str | None:
-    if producer.target == aten.mm.default and not ctx.config.fuse_epilogue:
+    view = None
+    if _gemm_behind_view(producer) is not None:
+        view, producer = producer, _gemm_behind_view(producer)
+    if producer.target == aten.mm.default and not ctx.config.fuse_epilogue and view is None:
         with add.graph.inserting_before(add):
             new = add.graph.call_function(aten.addmm.default, (other, *producer.args[:2]))
         new.meta = dict(add.meta)
@@ -49,7 +73,14 @@ def _absorb(producer: fx.Node, other: fx.Node, add: fx.Node, ctx) -> str | None:
         add.graph.erase_node(add)
         add.graph.erase_node(producer)
         return None
-    g = Group.from_fused(producer) if producer.target in FUSED else Group.from_anchor(producer, ctx.provider_for(producer))
+    if fused_op(producer) is not None:
+        g = Group.from_fused(producer)
+    else:
+        g = Group.from_anchor(producer, ctx.provider_for(producer))
+    if view is not None:  # the GEMM writes the [B, S, N] view directly
+        g.params = (list(legality.val(view).shape),)
+        g.absorb(view, g.tree)
+        producer = view
     leaf = g.operand(other, "full")
     g.absorb(add, epi.Op("add", (g.tree, leaf) if add.args[0] is producer else (leaf, g.tree)))
     if ctx.config.fuse_epilogue:
@@ -68,7 +99,11 @@ def add_to_output(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             continue
         a, b = add.args[:2]
         if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
-            continue  # a scalar add is an epilogue step, not a 2-input add
+            v = legality.val(a if isinstance(a, fx.Node) else b)
+            counter = v is not None and not v.is_floating_point()
+            ctx.reject(add, "adds a scalar to an integer tensor (a counter such as num_batches_tracked)" if counter
+                       else "adds a scalar: an epilogue step, and no fused op reached it")
+            continue
         if not ctx.config.fuse_add_to_output:
             ctx.reject(add, "fuse_add_to_output is off")
             continue

@@ -2,11 +2,14 @@
 
 Both passes grow groups the same way and emit them here: `Group.from_anchor` starts one at an aten conv/GEMM,
 `Group.from_fused` reopens a resfuse op already in the graph, `absorb` adds a step, and `emit` replaces the
-absorbed nodes by one call to resfuse::conv2d / resfuse::gemm.
+absorbed nodes by one call to a resfuse op (ops/). Training anchors have several outputs (batch norm's
+statistics, convolution_backward's weight gradient): the group starts at their output 0, and emit rewires
+or trims the rest.
 """
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 import torch.fx as fx
@@ -15,24 +18,57 @@ from .. import epilogue as epi
 from . import legality
 
 aten = torch.ops.aten
-FUSED = {torch.ops.resfuse.conv2d.default: "conv2d", torch.ops.resfuse.gemm.default: "gemm"}
+FUSED = {torch.ops.resfuse.conv2d.default: "conv2d", torch.ops.resfuse.gemm.default: "gemm",
+         torch.ops.resfuse.batch_norm.default: "batch_norm", torch.ops.resfuse.conv2d_dgrad.default: "conv2d_dgrad"}
+TARGET = {anchor: target for target, anchor in FUSED.items()}
+SIGNATURE_ARG = {"conv2d": 3, "gemm": 3, "batch_norm": 6, "conv2d_dgrad": 3}
+BN_TRAIN = aten._native_batch_norm_legit_functional.default
+CONV_BACKWARD = aten.convolution_backward.default
+# Ops with several outputs, whose first output is the one an epilogue extends. Their anchor node is the
+# getitem(op, 0); `origin` is the op itself.
+MULTI_OUTPUT = {BN_TRAIN: "batch_norm", CONV_BACKWARD: "conv2d_dgrad", torch.ops.resfuse.batch_norm.default: "batch_norm"}
+
+
+def first_output_of(node: fx.Node) -> fx.Node | None:
+    """The multi-output op whose output 0 `node` is, or None."""
+    if (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem
+            and node.args[1] == 0 and isinstance(node.args[0], fx.Node) and node.args[0].target in MULTI_OUTPUT):
+        return node.args[0]
+    return None
+
+
+def fused_op(node: fx.Node) -> fx.Node | None:
+    """The resfuse op that computes `node`'s value (itself, or through getitem 0), or None."""
+    if not isinstance(node, fx.Node):
+        return None
+    origin = first_output_of(node)
+    target = origin.target if origin is not None else node.target
+    if target not in FUSED:
+        return None
+    return origin if origin is not None else node
+
+
+def signature(fused: fx.Node) -> str:
+    return fused.args[SIGNATURE_ARG[FUSED[fused.target]]]
 
 
 @dataclasses.dataclass
 class Group:
-    anchor: str  # "conv2d" | "gemm"
-    inputs: tuple  # (x, weight) or (a, b)
-    params: tuple  # conv: (stride, padding, dilation); gemm: (out_shape,)
+    anchor: str  # "conv2d" | "gemm" | "batch_norm" | "conv2d_dgrad"
+    inputs: tuple  # (x, weight), (a, b), (x, weight, bias, running_mean, running_var) or (grad_out, weight)
+    params: tuple  # conv: (stride, padding, dilation); gemm: (out_shape,); batch_norm: (momentum, eps);
+    #                conv2d_dgrad: (input_shape, stride, padding, dilation)
     tree: epi.Node
     operands: list  # fx.Nodes, in slot order
     sources: list  # names of the original nodes, anchor first
     out: fx.Node  # the node whose value the group computes so far
     replaced: list  # nodes to erase once the fused op is in place
     provider: str = "aten"
+    origin: fx.Node | None = None  # the multi-output op whose output 0 is the group's start (MULTI_OUTPUT)
 
     @property
     def channel_dim(self) -> int:
-        return 1 if self.anchor == "conv2d" else -1
+        return -1 if self.anchor == "gemm" else 1
 
     @property
     def out_val(self) -> torch.Tensor:
@@ -55,6 +91,16 @@ class Group:
 
     @classmethod
     def from_anchor(cls, node: fx.Node, provider: str) -> "Group":
+        origin = first_output_of(node)
+        if origin is not None and origin.target == BN_TRAIN:
+            x, w, b, mean, var, _training, momentum, eps = origin.args[:8]
+            return cls("batch_norm", (x, w, b, mean, var), (float(momentum), float(eps)), epi.ACC, [],
+                       [origin.name], node, [], provider, origin)
+        if origin is not None and origin.target == CONV_BACKWARD:
+            grad_out, x, w, _bias_sizes, stride, padding, dilation = origin.args[:7]
+            params = (list(legality.val(x).shape), list(stride), list(padding), list(dilation))
+            return cls("conv2d_dgrad", (grad_out, w), params, epi.ACC, [], [origin.name], node, [], provider,
+                       origin)
         t = node.target
         if t == aten.convolution.default:
             x, w, bias, stride, padding, dilation = node.args[:6]
@@ -81,16 +127,15 @@ class Group:
 
     @classmethod
     def from_fused(cls, node: fx.Node) -> "Group":
-        anchor = FUSED[node.target]
-        if anchor == "conv2d":
-            x, w, operands, sig, stride, padding, dilation, provider = node.args
-            params = (stride, padding, dilation)
-            inputs = (x, w)
-        else:
-            a, b, operands, sig, out_shape, provider = node.args
-            params, inputs = (out_shape,), (a, b)
-        return cls(anchor, inputs, params, epi.parse(sig), list(operands), list(node.meta["resfuse"]["sources"]),
-                   node, [], provider)
+        """Reopen the fused op computing `node` (the op itself, or getitem 0 of a multi-output one)."""
+        fused = fused_op(node)
+        anchor = FUSED[fused.target]
+        n_inputs = {"conv2d": 2, "gemm": 2, "batch_norm": 5, "conv2d_dgrad": 2}[anchor]
+        inputs, operands, sig = fused.args[:n_inputs], fused.args[n_inputs], fused.args[n_inputs + 1]
+        params, provider = tuple(fused.args[n_inputs + 2:-1]), fused.args[-1]
+        origin = fused if fused is not node else None
+        return cls(anchor, tuple(inputs), params, epi.parse(sig), list(operands),
+                   list(fused.meta["resfuse"]["sources"]), node, [], provider, origin)
 
     def ops(self) -> list[str]:
         return epi.pattern_ops(self.tree)
@@ -98,22 +143,66 @@ class Group:
     def emit(self) -> fx.Node | str:
         """Put the fused op in the graph in place of the group; returns the new node, or why it can't."""
         graph, last = self.out.graph, self.out
-        args = (*self.inputs, list(self.operands), str(self.tree))
-        args += (*self.params, self.provider)
-        target = {"conv2d": torch.ops.resfuse.conv2d.default, "gemm": torch.ops.resfuse.gemm.default}[self.anchor]
+        args = (*self.inputs, list(self.operands), str(self.tree), *self.params, self.provider)
+        target = TARGET[self.anchor]
         fake = _fake_call(target, args)
+        value = fake[0] if isinstance(fake, tuple) else fake
         want = self.out_val
-        if tuple(fake.stride()) != tuple(want.stride()) and want.numel() > 1:
-            return f"fused output strides {fake.stride()} differ from the graph's {want.stride()}"
+        if tuple(value.stride()) != tuple(want.stride()) and want.numel() > 1:
+            return f"fused output strides {value.stride()} differ from the graph's {want.stride()}"
         with graph.inserting_before(last):
             new = graph.call_function(target, args)
         new.meta["val"] = fake
         new.meta["resfuse"] = {"anchor": self.anchor, "sources": list(self.sources)}
-        last.replace_all_uses_with(new)
-        for n in reversed(list(dict.fromkeys([*self.replaced, last]))):
-            if n is not new and not n.users:
+        result = new
+        if isinstance(fake, tuple):
+            result = self._rewire_outputs(new, fake)
+        elif self.origin is not None and self.origin.target == CONV_BACKWARD:
+            self._weight_gradient_only()
+        last.replace_all_uses_with(result)
+        stale = [*self.replaced, last]
+        if self.origin is not None:
+            stale += [*self.origin.users, self.origin]
+        for n in reversed(list(dict.fromkeys(stale))):
+            if n not in (new, result) and not n.users:
                 graph.erase_node(n)
+        _keep_topological(graph, new)
         return new
+
+    def _rewire_outputs(self, new: fx.Node, fake: tuple) -> fx.Node:
+        """getitem nodes for each output of `new`; the origin's outputs other than 0 now come from them."""
+        graph = new.graph
+        items = []
+        with graph.inserting_after(new):
+            for i in reversed(range(len(fake))):
+                item = graph.call_function(operator.getitem, (new, i))
+                item.meta["val"] = fake[i]
+                items.insert(0, item)
+        for old in list(self.origin.users) if self.origin is not None else []:
+            if old.target is operator.getitem and old.args[1] != 0:
+                old.replace_all_uses_with(items[old.args[1]])
+        return items[0]
+
+    def _weight_gradient_only(self) -> None:
+        """The origin convolution_backward keeps the gradients other than the input's (we compute that)."""
+        mask = list(self.origin.args[10])
+        mask[0] = False
+        self.origin.update_arg(10, mask)
+        val = self.origin.meta.get("val")
+        if isinstance(val, tuple):
+            self.origin.meta["val"] = (None, *val[1:])
+
+
+def _keep_topological(graph: fx.Graph, new: fx.Node) -> None:
+    """The fused op sits where the group's last node was. When an output is used before that (batch norm's
+    statistics, by the running-stat copies), move the op and its getitems up to just after its last input."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    items = [u for u in new.users if u.target is operator.getitem]
+    if all(order[u] > order[new] for n in [new, *items] for u in n.users):
+        return
+    anchor = max(new.all_input_nodes, key=order.__getitem__)
+    for n in reversed([new, *sorted(items, key=order.__getitem__)]):
+        anchor.append(n)
 
 
 def _fake_call(target, args):

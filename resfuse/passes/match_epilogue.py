@@ -3,8 +3,10 @@
 Entry point: `match_epilogue(gm, ctx)`, the first pass. `grow(group, ctx)` is shared with add_to_output.py,
 which re-opens a fused op after absorbing an add so that the trailing activation follows it in.
 
-What an anchor absorbs (tables below): a per-channel bias add, inference batch norm, the activations of
-UNARY, binary add/sub/mul/div with a scalar, a per-channel or per-(n,c) vector, or (except add, which is
+Anchors: conv2d, mm/addmm/bmm, and in training graphs the output 0 of training batch norm (forward) and of
+convolution_backward (the data gradient, backward). What an anchor absorbs (tables below): a per-channel
+bias add, inference batch norm, the activations of UNARY, relu's gradient (threshold_backward), binary
+add/sub/mul/div with a scalar, a per-channel or per-(n,c) vector, or (except add, which is
 FuseAddToOutput's) a full tensor; gemm outputs may pass through a reshape that keeps the last dim, and any
 chain through a layout-preserving clone (eval-mode dropout).
 """
@@ -17,7 +19,7 @@ import torch.fx as fx
 
 from .. import epilogue as epi
 from . import legality
-from .group import Group
+from .group import BN_TRAIN, CONV_BACKWARD, Group, first_output_of
 
 aten = torch.ops.aten
 
@@ -53,8 +55,40 @@ VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 ANCHORS = (aten.convolution.default, aten.mm.default, aten.addmm.default, aten.bmm.default)
 
 
+def is_anchor(node) -> bool:
+    """Can a group start here: a conv/GEMM, or output 0 of training batch norm or of convolution_backward."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and (
+        node.target in ANCHORS or (first_output_of(node) is not None and first_output_of(node).target in (
+            BN_TRAIN, CONV_BACKWARD)))
+
+
+def _training_refusal(origin: fx.Node) -> str | None:
+    if origin.target == BN_TRAIN:
+        x, _w, _b, mean, var, training = origin.args[:6]
+        if mean is None or var is None:
+            return "batch norm without running statistics"
+        if not training:
+            return "functional batch norm in eval mode"
+        if legality.val(x) is not None and legality.val(x).dim() not in (2, 4):
+            return f"{legality.val(x).dim()}-D batch norm input (2-D and 4-D only)"
+        return legality.first(legality.static_tensor(x), legality.supported_dtype(x))
+    grad_out, x, w = origin.args[:3]
+    transposed, groups = origin.args[7], origin.args[9]
+    if transposed:
+        return "transposed convolution not supported"
+    if legality.val(w) is not None and legality.val(w).dim() != 4:
+        return f"{legality.val(w).dim() - 2}-D convolution not supported (2-D only)"
+    if groups != 1:
+        return f"grouped convolution (groups={groups}) not supported yet"
+    return legality.first(legality.static_tensor(grad_out), legality.static_tensor(x),
+                          *[legality.supported_dtype(a) for a in (grad_out, w)])
+
+
 def anchor_refusal(node: fx.Node) -> str | None:
     """Why an anchor op can't start a group (None if it can)."""
+    origin = first_output_of(node)
+    if origin is not None:
+        return _training_refusal(origin)
     if node.target == aten.convolution.default:
         x, w = node.args[:2]
         transposed, groups = node.args[6], node.args[8]
@@ -79,6 +113,12 @@ def _step(g: Group, node: fx.Node, ctx) -> tuple | str | None:
     if t in UNARY:
         name, params = UNARY[t](node)
         return epi.Op(name, (g.tree,), params), None, ()
+    if t == aten.threshold_backward.default and node.args[0] is cur:
+        kind, why = legality.broadcast_kind(node.args[1], g.out_val, g.channel_dim)
+        why = why or legality.no_cycle(node.args[1], g.out) or _room_for(g, kind)
+        if why:
+            return why
+        return epi.Op("threshold_bwd", (g.tree, g.operand(node.args[1], kind)), (float(node.args[2]),)), None, ()
     if t == BATCH_NORM and node.args[0] is cur:
         outs = [u for u in node.users if u.args[1] == 0]
         if len(outs) != 1 or any(u.users for u in node.users if u.args[1] != 0):
@@ -102,8 +142,9 @@ def _step(g: Group, node: fx.Node, ctx) -> tuple | str | None:
                 return why
             if kind == "full" and name == "add":
                 return None  # a same-shape add belongs to FuseAddToOutput
-            if kind != "c" and sum(o.kind != "c" for o in epi.operands(g.tree)) >= legality.MAX_RESIDUALS:
-                return f"more than {legality.MAX_RESIDUALS} residual operands"
+            why = _room_for(g, kind)
+            if why:
+                return why
             leaf = g.operand(other, kind)
         elif isinstance(other, (int, float)) and not isinstance(other, bool):
             leaf = epi.Const(float(other))
@@ -121,13 +162,19 @@ def _step(g: Group, node: fx.Node, ctx) -> tuple | str | None:
     return None
 
 
+def _room_for(g: Group, kind: str) -> str | None:
+    if kind != "c" and sum(o.kind != "c" for o in epi.operands(g.tree)) >= legality.MAX_RESIDUALS:
+        return f"more than {legality.MAX_RESIDUALS} residual operands"
+    return None
+
+
 def grow(g: Group, ctx) -> Group:
     """Absorb consumers into `g` until one is not an epilogue op or a rule refuses it."""
     while True:
         users = list(g.out.users)
         if len(users) != 1:
             for u in users:
-                if u.target in UNARY or u.target in BINARY or u.target == BATCH_NORM:
+                if u.target in UNARY or u.target in BINARY or u.target in (BATCH_NORM, aten.threshold_backward.default):
                     ctx.reject(u, legality.sole_consumer(g.out))
             return g
         node = users[0]
@@ -152,7 +199,7 @@ def _same_dtype(g: Group, node: fx.Node) -> str | None:
 
 def match_epilogue(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in ANCHORS:
+        if not is_anchor(node):
             continue
         why = anchor_refusal(node)
         if why:

@@ -14,12 +14,13 @@ import torch.fx as fx
 from .. import epilogue as epi
 from ..ops import PATHS
 from . import legality
+from .group import signature
 
 
 @dataclasses.dataclass
 class Fusion:
     graph: str  # "inference", "forward" or "backward"
-    anchor: str  # "conv2d" | "gemm"
+    anchor: str  # "conv2d" | "gemm" | "batch_norm" | "conv2d_dgrad"
     ops: list[str]
     pattern: str
     sources: list[str]
@@ -81,12 +82,14 @@ class Report:
             info = node.meta.get("resfuse")
             if node.op != "call_function" or info is None:
                 continue
-            tree, out = epi.parse(node.args[3]), legality.val(node)
+            sig = signature(node)
+            val = node.meta["val"]
+            tree, out = epi.parse(sig), val[0] if isinstance(val, tuple) else val
             ops = epi.pattern_ops(tree)
             shapes = {"inputs": [tuple(legality.val(a).shape) for a in node.args[:2]], "out": tuple(out.shape)}
-            before = {p: n for (op, sig, p), n in PATHS.items() if op == info["anchor"] and sig == node.args[3]}
+            before = {p: n for (op, s, p), n in PATHS.items() if op == info["anchor"] and s == sig}
             self.fusions.append(Fusion(graph, info["anchor"], ops, "_".join([info["anchor"], *ops]),
-                                       info["sources"], shapes, bytes_saved(tree, out), node.args[3],
+                                       info["sources"], shapes, bytes_saved(tree, out), sig,
                                        node.args[-1], before))
             fused_names = set(info["sources"])
             for key in [k for k in self.rejected_by_node if k[0] == graph and k[1] in fused_names]:

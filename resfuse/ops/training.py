@@ -1,0 +1,103 @@
+"""The fused ops of training graphs: resfuse::batch_norm (forward) and resfuse::conv2d_dgrad (backward).
+
+batch_norm is training-mode batch norm (batch statistics, running-stat update, the saved mean and invstd
+that backward reads) with an epilogue on its output, e.g. relu(add(acc, full0)): the bn -> add -> relu tail
+of a residual block, where the add is FuseAddToOutput's. It returns what aten._native_batch_norm_legit_functional
+returns, with the epilogue applied to the first output.
+
+conv2d_dgrad is the data gradient of a conv2d with an epilogue, e.g. threshold_bwd(add(acc, full0), full1):
+the skip-gradient add absorbed (FuseAddToOutput in backward), then relu's gradient. The weight gradient
+stays with aten.convolution_backward (cuDNN), which the rewrite asks for the weight gradient alone.
+
+Paths are recorded in PATHS like the inference ops: "reference" (ATen, then the epilogue in torch) or
+"triton" (our kernels, on CUDA or under the interpreter).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+import torch
+
+from .fused import _finish, _record, _use_triton, conv_out_format
+
+aten = torch.ops.aten
+
+
+@torch.library.custom_op("resfuse::batch_norm", mutates_args=())
+def batch_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+               running_mean: torch.Tensor, running_var: torch.Tensor, operands: Sequence[torch.Tensor],
+               epilogue: str, momentum: float, eps: float,
+               provider: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _use_triton(x.device, provider):
+        from .. import kernels
+
+        _record("batch_norm", epilogue, "triton")
+        y, mean, invstd, rm, rv = kernels.batch_norm_train(x, weight, bias, running_mean, running_var,
+                                                           list(operands), epilogue, momentum, eps)
+        want = _aten_stat_dtypes(x.device.type, x.dtype, running_mean.dtype)
+        return (y, *[t if t.dtype == d else t.to(d) for t, d in zip((mean, invstd, rm, rv), want)])
+    _record("batch_norm", epilogue, "reference")
+    return batch_norm_reference(x, weight, bias, running_mean, running_var, operands, epilogue, momentum, eps)
+
+
+@functools.lru_cache(maxsize=None)
+def _aten_stat_dtypes(device: str, x_dtype: torch.dtype, stat_dtype: torch.dtype) -> tuple:
+    """The dtypes ATen (and so the fake implementation, and the traced graph) gives the statistics and the new
+    running stats; they depend on the device. The kernel computes them in fp32."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(2, 3, 2, 2, dtype=x_dtype, device=device)
+        p = torch.empty(3, dtype=stat_dtype, device=device)
+        outs = aten._native_batch_norm_legit_functional(x, p, p, p, p, True, 0.1, 1e-5)
+    return tuple(o.dtype for o in outs[1:])
+
+
+def batch_norm_reference(x, weight, bias, running_mean, running_var, operands, epilogue, momentum, eps):
+    out, mean, invstd, rm, rv = aten._native_batch_norm_legit_functional(x, weight, bias, running_mean,
+                                                                          running_var, True, momentum, eps)
+    y = _finish(out, torch.empty_like(out), operands, epilogue, 1)
+    return y, mean, invstd, rm, rv
+
+
+@batch_norm.register_fake
+def _(x, weight, bias, running_mean, running_var, operands, epilogue, momentum, eps, provider):
+    # ATen's own metadata (the statistics' dtypes differ between devices and input dtypes)
+    out, mean, invstd, rm, rv = aten._native_batch_norm_legit_functional(x, weight, bias, running_mean,
+                                                                          running_var, True, momentum, eps)
+    return torch.empty_like(out), mean, invstd, rm, rv
+
+
+def dgrad_out(grad_out: torch.Tensor, weight: torch.Tensor, input_shape) -> torch.Tensor:
+    return torch.empty(list(input_shape), dtype=grad_out.dtype, device=grad_out.device,
+                       memory_format=conv_out_format(grad_out, weight))
+
+
+@torch.library.custom_op("resfuse::conv2d_dgrad", mutates_args=())
+def conv2d_dgrad(grad_out: torch.Tensor, weight: torch.Tensor, operands: Sequence[torch.Tensor], epilogue: str,
+                 input_shape: Sequence[int], stride: Sequence[int], padding: Sequence[int],
+                 dilation: Sequence[int], provider: str) -> torch.Tensor:
+    out = dgrad_out(grad_out, weight, input_shape)
+    if _use_triton(grad_out.device, provider):
+        from .. import kernels
+
+        _record("conv2d_dgrad", epilogue, "triton")
+        return kernels.conv2d_dgrad(grad_out, weight, list(operands), epilogue, list(stride), list(padding),
+                                    list(dilation), out)
+    _record("conv2d_dgrad", epilogue, "reference")
+    return conv2d_dgrad_reference(grad_out, weight, operands, epilogue, input_shape, stride, padding, dilation, out)
+
+
+def conv2d_dgrad_reference(grad_out, weight, operands, epilogue, input_shape, stride, padding, dilation, out):
+    """cuDNN's data gradient, then the epilogue in torch. convolution_backward reads `input` only for its
+    shape and layout when the weight gradient is not asked for."""
+    shape_only = torch.empty_like(out)
+    acc = aten.convolution_backward(grad_out, shape_only, weight, None, list(stride), list(padding),
+                                    list(dilation), False, [0, 0], 1, [True, False, False])[0]
+    return _finish(acc, out, operands, epilogue, 1)
+
+
+@conv2d_dgrad.register_fake
+def _(grad_out, weight, operands, epilogue, input_shape, stride, padding, dilation, provider):
+    return dgrad_out(grad_out, weight, input_shape)
