@@ -81,11 +81,20 @@ def conv2d_dgrad(grad_out: torch.Tensor, weight: torch.Tensor, operands: Sequenc
     out = dgrad_out(grad_out, weight, input_shape)
     if _use_triton(grad_out.device, provider):
         from .. import kernels
+        from ..tuning.choose import Call, choose
 
-        _record("conv2d_dgrad", epilogue, "triton")
-        return kernels.conv2d_dgrad(grad_out, weight, list(operands), epilogue, list(stride), list(padding),
-                                    list(dilation), out)
-    _record("conv2d_dgrad", epilogue, "reference")
+        call = Call("conv2d_dgrad", (grad_out, weight), list(operands), epilogue,
+                    (list(stride), list(padding), list(dilation)), out)
+        choice = choose(call)  # the tuner weighs our kernel against cuDNN's dgrad + our epilogue kernel
+        _record("conv2d_dgrad", epilogue, choice.provider)
+        if choice.provider == "triton":
+            return kernels.conv2d_dgrad(grad_out, weight, list(operands), epilogue, list(stride), list(padding),
+                                        list(dilation), out, choice.config)
+        if choice.provider == "epilogue":
+            from ..providers import epilogue as two_kernels
+            return two_kernels.run(call, out)
+    else:
+        _record("conv2d_dgrad", epilogue, "reference")
     return conv2d_dgrad_reference(grad_out, weight, operands, epilogue, input_shape, stride, padding, dilation, out)
 
 

@@ -15,6 +15,10 @@ def run(call, out: torch.Tensor) -> torch.Tensor:
 
     if call.op == "conv2d":
         return fused.conv2d_reference(*call.inputs, call.operands, call.signature, *call.params, out)
+    if call.op == "conv2d_dgrad":
+        from ..ops import training
+        return training.conv2d_dgrad_reference(*call.inputs, call.operands, call.signature, list(out.shape),
+                                               *call.params, out)
     return fused.gemm_reference(*call.inputs, call.operands, call.signature, *call.params, out)
 
 

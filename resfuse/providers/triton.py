@@ -24,6 +24,8 @@ def refusal(call) -> str | None:
 def _launch(call, signature: str, operands, out, config):
     if call.op == "conv2d":
         return kernels.conv2d(*call.inputs, operands, signature, *call.params, out, config)
+    if call.op == "conv2d_dgrad":
+        return kernels.conv2d_dgrad(*call.inputs, operands, signature, *call.params, out, config)
     return kernels.gemm(*call.inputs, operands, signature, out, config)
 
 

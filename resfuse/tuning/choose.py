@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .. import providers
-from ..kernels import codegen, conv2d_fprop, matmul
+from ..kernels import codegen, conv2d_bwd_data, conv2d_fprop, matmul
 from . import select
 from .cache import Entry, Key, TuningCache, environment
 
@@ -29,11 +29,11 @@ TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float32: 2e-3}  # 
 @dataclasses.dataclass
 class Call:
     """One invocation of a fused op, as the providers need it."""
-    op: str  # "conv2d" | "gemm"
-    inputs: tuple  # (x, w) or (a, b)
+    op: str  # "conv2d" | "gemm" | "conv2d_dgrad"
+    inputs: tuple  # (x, w), (a, b) or (grad_out, w)
     operands: list
     signature: str
-    params: tuple  # conv: (stride, padding, dilation); gemm: (out_shape,)
+    params: tuple  # conv2d and conv2d_dgrad: (stride, padding, dilation); gemm: (out_shape,)
     out: torch.Tensor
 
 
@@ -73,7 +73,8 @@ def key(call: Call) -> Key:
 
 
 def _config(op: str, fields: dict):
-    return (conv2d_fprop.ConvConfig if op == "conv2d" else matmul.GemmConfig)(**fields)
+    cls = {"conv2d": conv2d_fprop.ConvConfig, "gemm": matmul.GemmConfig, "conv2d_dgrad": conv2d_bwd_data.DgradConfig}
+    return cls[op](**fields)
 
 
 def choose(call: Call) -> Choice:

@@ -1,7 +1,7 @@
 """The tuning space per level: which kernel configs the triton provider offers for one fused op.
 
 Entry point: `configs(call, level)`. The space itself is declared beside each kernel (`SPACE` and the
-config's `check` in kernels/matmul.py and kernels/conv2d_fprop.py); here it is pruned by level:
+config's `check` in kernels/matmul.py, kernels/conv2d_fprop.py and kernels/conv2d_bwd_data.py); here it is pruned by level:
   none  the heuristic default only (no tuning);
   fast  the default and a few tile shapes around it that suit Hopper (the default level);
   max   every point of SPACE that passes `check` (hundreds of compiles: slow).
@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from ..kernels import conv2d_fprop, matmul
+from ..kernels import conv2d_bwd_data, conv2d_fprop, matmul
 from ..kernels.launch import _sms
 
 # (block_m, block_n, num_warps, num_stages) tried by "fast", besides the heuristic default
 FAST_TILES = ((128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4), (128, 256, 8, 3), (256, 128, 8, 3),
               (64, 64, 4, 4))
 LEVELS = ("none", "fast", "max")
+MODULES = {"conv2d": conv2d_fprop, "gemm": matmul, "conv2d_dgrad": conv2d_bwd_data}  # op -> its kernel's space
 
 
 def problem(call):
@@ -27,6 +28,12 @@ def problem(call):
         oh, ow = call.out.shape[2:]
         return conv2d_fprop.ConvProblem(x.shape[0], x.shape[1], w.shape[0], w.shape[2], w.shape[3], oh, ow,
                                         x.element_size(), _sms(dev))
+    if call.op == "conv2d_dgrad":
+        grad_out, w = call.inputs
+        stride = call.params[0]
+        n, c, h, wd = call.out.shape
+        return conv2d_bwd_data.DgradProblem(n, c, w.shape[0], w.shape[2], w.shape[3], h, wd, stride[0], stride[1],
+                                            w.element_size(), _sms(dev))
     a, b = call.inputs
     batch = a.shape[0] if a.dim() == 3 else 1
     return matmul.GemmProblem(batch, a.shape[-2], b.shape[-1], a.shape[-1], a.element_size(), _sms(dev))
@@ -35,7 +42,7 @@ def problem(call):
 def configs(call, level: str) -> list:
     if level not in LEVELS:
         raise ValueError(f"tuning level {level!r}: one of {LEVELS}")
-    module = conv2d_fprop if call.op == "conv2d" else matmul
+    module = MODULES[call.op]
     p = problem(call)
     default = module.default_config(p)
     if level == "none":

@@ -29,13 +29,23 @@ def bench_favouring(provider):
     return bench
 
 
+def dgrad_call():
+    """A stride-2 3x3 data gradient with the residual-block backward epilogue (skip-grad add, relu's gradient)."""
+    grad_out, w = torch.randn(2, 6, 3, 3), torch.randn(6, 4, 3, 3)
+    skip, relu_out = torch.randn(2, 4, 6, 6), torch.randn(2, 4, 6, 6).relu()
+    return ch.Call("conv2d_dgrad", (grad_out, w), [skip, relu_out], "threshold_bwd[#0.0](add(acc,full0),full1)",
+                   ([2, 2], [1, 1], [1, 1]), torch.empty(2, 4, 6, 6))
+
+
+@pytest.mark.parametrize("make", [conv_call, dgrad_call])
 @pytest.mark.parametrize("winner", ["aten", "triton", "epilogue"])
-def test_tune_runs_both_stages_and_keeps_the_fastest_correct(winner):
+def test_tune_runs_both_stages_and_keeps_the_fastest_correct(winner, make):
     lines = []
-    entry = ch.tune(conv_call(), bench=bench_favouring(winner), level="fast", report=lines.append)
+    call = make()
+    entry = ch.tune(call, bench=bench_favouring(winner), level="fast", report=lines.append)
     assert entry.provider == winner
     assert {"aten", "aten+epilogue"} <= set(entry.times) and any(k.startswith("triton:") for k in entry.times)
-    assert "tuned conv2d" in lines[0]
+    assert f"tuned {call.op}" in lines[0]
 
 
 def test_wrong_kernel_is_never_chosen(monkeypatch):
