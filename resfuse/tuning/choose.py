@@ -7,8 +7,9 @@ the measurement itself (tests inject the benchmarker).
 Order of lookup: this process's choices, then the SQLite cache (tuning/cache.py), then tuning with the
 two-stage selection (select.py) over the providers' candidates, stored unless the budget ran out (an op
 with no candidate that matches the reference runs the unfused ATen path, remembered in-process). With
-level "none", or on CPU (interpreter timings mean nothing), or once the wall-clock budget is spent, the
-heuristic Triton config runs and nothing is stored.
+level "none", or on CPU (interpreter timings mean nothing), the heuristic Triton config runs; once a
+compile's wall-clock budget is spent, the cuDNN/cuBLAS anchor with our epilogue kernel runs (UNTUNED). In
+both cases nothing is stored.
 """
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ class Choice:
 
 
 HEURISTIC = Choice("triton", None)
+UNTUNED = Choice("epilogue", None)  # cuDNN/cuBLAS + our epilogue kernel: no config to guess, never worse than ATen's
+#                                     unfused ops in traffic; what runs once a compile's tuning budget is spent
 UNFUSED = Choice("aten", None)
 _SETTINGS = {"level": "fast", "cache_dir": None, "budget_s": 60.0, "force": False}
 _STATE = {"spent_s": 0.0, "cache": None}
@@ -51,6 +54,10 @@ _CHOICES: dict[str, Choice] = {}
 
 
 def configure(level: str, cache_dir: str, budget_s: float, force: bool = False) -> None:
+    """Settings for the ops that run from now on; each compile gets the whole wall-clock budget again."""
+    _STATE["spent_s"] = 0.0
+    for k in [k for k, c in _CHOICES.items() if c == UNTUNED]:
+        del _CHOICES[k]
     if cache_dir != _SETTINGS["cache_dir"]:
         _STATE["cache"] = None
     if force and not _SETTINGS["force"]:
@@ -89,7 +96,8 @@ def choose(call: Call) -> Choice:
     if entry is None:
         remaining = _SETTINGS["budget_s"] - _STATE["spent_s"]
         if remaining <= 0:
-            return HEURISTIC  # budget spent: heuristic now, tuned on a later run
+            _CHOICES[fast] = UNTUNED  # budget spent: tuned by a later compile (configure forgets these)
+            return UNTUNED
         start = time.monotonic()
         entry = tune(call, bench=_bench, level=level, budget_s=remaining)
         _STATE["spent_s"] += time.monotonic() - start

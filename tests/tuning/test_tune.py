@@ -86,12 +86,16 @@ def test_choose_tunes_once_caches_and_force_retunes(tmp_path, monkeypatch):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_budget_spent_runs_the_heuristic_and_stores_nothing(tmp_path, monkeypatch):
+def test_budget_spent_runs_cudnn_with_our_epilogue_and_stores_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(ch, "_tunable", lambda device: True)
     monkeypatch.setattr(ch, "_CHOICES", {})
     ch.configure("fast", str(tmp_path), budget_s=0)
-    assert ch.choose(conv_call()) == ch.HEURISTIC
+    assert ch.choose(conv_call()) == ch.UNTUNED
     assert ch._cache().entries() == []
+    ch._STATE["spent_s"] = 1e9
+    ch.configure("fast", str(tmp_path), budget_s=600)  # a new compile gets the whole budget again
+    monkeypatch.setattr(ch, "_bench", bench_favouring("triton"))
+    assert ch.choose(conv_call()).provider == "triton" and len(ch._cache().entries()) == 1
 
 
 def test_every_provider_path_of_the_ops_gives_the_unfused_result(monkeypatch):

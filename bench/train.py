@@ -1,0 +1,191 @@
+"""Training-step benchmark (issue 6), GPU machine: eager, torch.compile default and resfuse in one run.
+
+Entry point: `python bench/train.py [--jobs resnet50:64,resnet50:256,bert:32] [--iters 20] [--out DIR]`.
+ResNet-50 (torchvision) trains in fp16 autocast, channels_last; BERT-base (HF, seq 128) likewise. Each
+peer starts from the same weights: one step's gradients are compared with eager's (the largest relative
+error over parameters), then the step (forward, loss, backward, SGD) is timed with CUDA events (median)
+and its peak memory read from torch.cuda.max_memory_allocated. resfuse runs with FuseAddToOutput on and off
+to show what the pass does to memory. Writes train.json after every job and prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import resfuse  # noqa: E402
+
+
+def resnet50(batch: int):
+    import torchvision
+
+    model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
+    x = torch.randn(batch, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (batch,), device="cuda")
+    return model, (x, y), lambda out, y: torch.nn.functional.cross_entropy(out, y)
+
+
+def bert(batch: int):
+    import transformers
+
+    config = transformers.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = transformers.BertForSequenceClassification(config).cuda()
+    x = torch.randint(0, config.vocab_size, (batch, 128), device="cuda")
+    y = torch.randint(0, 2, (batch,), device="cuda")
+    return _Logits(model), (x, y), lambda out, y: torch.nn.functional.cross_entropy(out, y)
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x).logits
+
+
+MODELS = {"resnet50": resnet50, "bert": bert}
+
+
+def peers():
+    return {
+        "eager": lambda m: m,
+        "compile": lambda m: torch.compile(m),
+        "resfuse": lambda m: resfuse.compile(m),
+        "resfuse-no-ato": lambda m: resfuse.compile(m, fuse_add_to_output=False),
+    }
+
+
+def step_fn(model, opt, loss_fn, data):
+    x, y = data
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+    return step
+
+
+def grads_of(model, data, loss_fn):
+    x, y = data
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = loss_fn(model(x), y)
+    loss.backward()
+    return {n.removeprefix("_orig_mod."): p.grad.detach().float().clone()
+            for n, p in model.named_parameters() if p.grad is not None}
+
+
+def top_kernels(step, n: int = 15) -> list:
+    """The step's CUDA kernels by total time, and the host (CPU) time of the whole step, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    events.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in events) / 3
+    rows = [{"us": e.device_time_total / 3, "calls": e.count // 3, "name": e.key[:100]} for e in events[:n]]
+    return [{"device_us_per_step": total}] + rows
+
+
+def run_job(name: str, batch: int, iters: int, profile: bool = False) -> dict:
+    torch.manual_seed(0)
+    base, data, loss_fn = MODELS[name](batch)
+    rows = {}
+    ref_grads = None
+    for peer, wrap in peers().items():
+        torch._dynamo.reset()
+        model = copy.deepcopy(base).train()
+        compiled = wrap(model)
+        row = {}
+        try:
+            t0 = time.perf_counter()
+            grads = grads_of(compiled, data, loss_fn)  # first call: capture, compile, tune
+            torch.cuda.synchronize()
+            row["first_call_s"] = time.perf_counter() - t0
+            if ref_grads is None:
+                ref_grads = grads
+            # all gradients as one vector: per-parameter ratios of fp16-AMP noise on near-zero grads mean nothing
+            diff = torch.cat([(grads[k] - g).flatten() for k, g in ref_grads.items()])
+            row["grad_relerr"] = (diff.norm() / torch.cat([g.flatten() for g in ref_grads.values()]).norm()).item()
+            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, foreach=True)
+            step = step_fn(compiled, opt, loss_fn, data)
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            times = []
+            for _ in range(iters):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                step()
+                b.record()
+                torch.cuda.synchronize()
+                times.append(a.elapsed_time(b))
+            row["ms"] = statistics.median(times)
+            row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+            report = getattr(compiled, "resfuse_report", None)
+            if report is not None:
+                row["fusions"] = {g: sum(f.graph == g for f in report.fusions) for g in ("forward", "backward")}
+                row["adds_fused"] = {g: sum(f.graph == g and "add" in f.ops for f in report.fusions)
+                                     for g in ("forward", "backward")}
+                row["errors"] = report.errors
+                row["paths"] = sorted({f"{f.anchor}:{f.ran}" for f in report.fusions})
+                reasons = collections.Counter(f"{r.graph}: {r.reason[:90]}" for r in report.rejected
+                                              if "add" in r.op)
+                row["adds_not_fused"] = dict(reasons.most_common(6))
+            if profile and peer.startswith("resfuse"):
+                row["top_kernels"] = top_kernels(step)
+        except Exception as e:  # one peer failing must not hide the others' numbers
+            row["error"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        rows[peer] = row
+        print(f"{name} bs{batch} {peer}: {json.dumps(row, indent=1)}", flush=True)
+        del compiled, model
+        torch.cuda.empty_cache()
+    return {"model": name, "batch": batch, "device": torch.cuda.get_device_name(), "peers": rows}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--jobs", default="resnet50:64,resnet50:256,bert:32")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--profile", action="store_true", help="top CUDA kernels of resfuse's step")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    results = []
+    for job in args.jobs.split(","):
+        name, batch = job.split(":")
+        results.append(run_job(name, int(batch), args.iters, args.profile))
+        Path(args.out, "train.json").write_text(json.dumps(results, indent=1))
+    print(f"\n{'job':16s} {'peer':16s} {'ms':>9s} {'vs compile':>10s} {'peak GB':>8s} {'grad err':>9s} first s")
+    for r in results:
+        base = r["peers"].get("compile", {}).get("ms")
+        for peer, row in r["peers"].items():
+            if "ms" not in row:
+                print(f"{r['model']}:{r['batch']:<10} {peer:16s} {row.get('error', '?')[:80]}")
+                continue
+            speed = f"{base / row['ms']:.2f}x" if base else "-"
+            print(f"{r['model']}:{r['batch']:<10} {peer:16s} {row['ms']:9.2f} {speed:>10s} {row['peak_gb']:8.2f} "
+                  f"{row['grad_relerr']:9.1e} {row['first_call_s']:.0f}")
+
+
+if __name__ == "__main__":
+    main()
