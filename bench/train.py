@@ -98,19 +98,24 @@ def top_kernels(step, n: int = 15) -> list:
         for _ in range(3):
             step()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    events.sort(key=lambda e: -e.device_time_total)
-    total = sum(e.device_time_total for e in events) / 3
-    rows = [{"us": e.device_time_total / 3, "calls": e.count // 3, "name": e.key[:100]} for e in events[:n]]
+    averages = prof.key_averages()
+    kernels = sorted((e for e in averages if e.device_time_total > 0 and e.self_device_time_total > 0),
+                     key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in kernels) / 3
+    rows = [{"us": e.self_device_time_total / 3, "calls": e.count // 3, "name": e.key[:100]} for e in kernels[:n]]
+    host = sorted(averages, key=lambda e: -e.self_cpu_time_total)[:n]
+    rows += [{"host_us": e.self_cpu_time_total / 3, "calls": e.count // 3, "name": e.key[:100]} for e in host]
     return [{"device_us_per_step": total}] + rows
 
 
-def run_job(name: str, batch: int, iters: int, profile: bool = False) -> dict:
+def run_job(name: str, batch: int, iters: int, profile: bool = False, only=()) -> dict:
     torch.manual_seed(0)
     base, data, loss_fn = MODELS[name](batch)
     rows = {}
     ref_grads = None
     for peer, wrap in peers().items():
+        if only and peer not in only:
+            continue
         torch._dynamo.reset()
         model = copy.deepcopy(base).train()
         compiled = wrap(model)
@@ -168,12 +173,14 @@ def main():
     p.add_argument("--jobs", default="resnet50:64,resnet50:256,bert:32")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--profile", action="store_true", help="top CUDA kernels of resfuse's step")
+    p.add_argument("--peers", default="", help="comma list of peers to run (default all; eager first for the grads)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     results = []
     for job in args.jobs.split(","):
         name, batch = job.split(":")
-        results.append(run_job(name, int(batch), args.iters, args.profile))
+        only = tuple(p for p in args.peers.split(",") if p)
+        results.append(run_job(name, int(batch), args.iters, args.profile, only))
         Path(args.out, "train.json").write_text(json.dumps(results, indent=1))
     print(f"\n{'job':16s} {'peer':16s} {'ms':>9s} {'vs compile':>10s} {'peak GB':>8s} {'grad err':>9s} first s")
     for r in results:

@@ -42,6 +42,13 @@ def test_training_step_runs_batch_norm_and_dgrad_kernels_under_the_interpreter()
         assert rel(p.grad, q.grad) < 1e-4, name
     for (name, b), c in zip(block.named_buffers(), twin.buffers()):
         assert rel(b.float(), c.float()) < 1e-5, name
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        compiled(x).sum().backward()
+    calls = {e.key: e.count for e in prof.key_averages()}
+    # the fused batch norms replaced ATen's (only the shortcut's, which absorbed nothing, still runs)
+    assert calls.get("aten::_native_batch_norm_legit_functional") == 1 and calls["resfuse::batch_norm"] == 2
     report = compiled.resfuse_report
     ran = {(f.anchor, f.ran) for f in report.fusions}
     assert ("batch_norm", "triton") in ran and ("conv2d_dgrad", "triton") in ran

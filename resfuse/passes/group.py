@@ -161,8 +161,8 @@ class Group:
             self._weight_gradient_only()
         last.replace_all_uses_with(result)
         stale = [*self.replaced, last]
-        if self.origin is not None:
-            stale += [*self.origin.users, self.origin]
+        if self.origin is not None:  # erased last (the list is walked backwards), after its getitems
+            stale = [self.origin, *stale, *self.origin.users]
         for n in reversed(list(dict.fromkeys(stale))):
             if n not in (new, result) and not n.users:
                 graph.erase_node(n)
