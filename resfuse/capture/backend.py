@@ -16,8 +16,10 @@ from torch._dynamo.backends.common import aot_autograd
 
 from .. import kernels
 from ..config import Config
+from ..ops import lower_to_impls
 from ..passes import PassContext, run_passes
 from ..passes.attention_mask import contiguous_attention_masks
+from ..passes.liveness import peak_bytes
 from ..passes.report import Report
 from .cuda_graphs import CudaGraphed
 
@@ -27,7 +29,8 @@ REWRITTEN = ("inference", "forward", "backward")
 
 def compile_graph(gm: fx.GraphModule, example_inputs, *, config: Config, graph: str, report: Report,
                   run_graph: bool = True):
-    """capture (done by aot_autograd) -> passes -> rewritten graph, whose fused ops pick their kernels.
+    """capture (done by aot_autograd) -> passes -> rewritten graph -> lowered to the ops' Python implementations,
+    whose fused ops pick their kernels (tuning on first call) -> optionally CUDA-graphed.
 
     With run_graph=False (explain) the report is made but the captured ATen graph runs instead.
     """
@@ -35,14 +38,17 @@ def compile_graph(gm: fx.GraphModule, example_inputs, *, config: Config, graph: 
         report.graphs.append(graph)
         return gm
     original = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # the passes rewrite gm in place
+    before = peak_bytes(gm)
     try:
         gm = run_passes(gm, PassContext(config, graph, report))
+        report.peak_bytes[graph] = (before, peak_bytes(gm))
     except Exception as e:  # never crash the user's model: fall back to the captured graph, and say why
         report.errors.append(f"{graph} graph: passes failed, running it unfused: {type(e).__name__}: {e}")
         warnings.warn(f"resfuse: {report.errors[-1]}")
         return original
     if not run_graph:
         return original
+    gm = lower_to_impls(gm)
     return CudaGraphed(gm) if config.cuda_graphs else gm
 
 

@@ -1,5 +1,28 @@
-"""The custom ops that the rewritten graph calls: fused.py (inference anchors), training.py (training anchors)."""
-from .fused import PATHS, conv2d, gemm, conv_out_format
-from .training import batch_norm, conv2d_dgrad
+"""The custom ops that the rewritten graph calls: fused.py (inference anchors), training.py (training anchors).
 
-__all__ = ["PATHS", "conv2d", "gemm", "conv_out_format", "batch_norm", "conv2d_dgrad"]
+The torch.library ops are what the passes put in the graph: they have schemas and fake implementations, so
+a rewritten graph can be traced, checked and exported. `lower_to_impls(gm)`, the backend's last step, then
+points each call at the op's plain Python implementation: the dispatcher round trip of a Python custom op
+cost ~70-150 us of host time per call (bench/host_ops.py, H200), which a training step or an un-graphed
+small batch pays on every fused op.
+"""
+import torch.fx as fx
+
+from .fused import PATHS, conv2d, conv2d_impl, conv_out_format, gemm, gemm_impl
+from .training import batch_norm, batch_norm_impl, conv2d_dgrad, conv2d_dgrad_impl
+
+__all__ = ["PATHS", "conv2d", "gemm", "conv_out_format", "batch_norm", "conv2d_dgrad", "lower_to_impls"]
+
+import torch  # noqa: E402  (after the ops are defined, so torch.ops.resfuse has them)
+
+IMPLS = {torch.ops.resfuse.conv2d.default: conv2d_impl, torch.ops.resfuse.gemm.default: gemm_impl,
+         torch.ops.resfuse.batch_norm.default: batch_norm_impl,
+         torch.ops.resfuse.conv2d_dgrad.default: conv2d_dgrad_impl}
+
+
+def lower_to_impls(gm: fx.GraphModule) -> fx.GraphModule:
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in IMPLS:
+            node.target = IMPLS[node.target]
+    gm.recompile()
+    return gm

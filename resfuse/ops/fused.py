@@ -61,8 +61,7 @@ def _record(op: str, signature: str, path: str) -> None:
     PATHS[(op, signature, path)] += 1
 
 
-@torch.library.custom_op("resfuse::conv2d", mutates_args=())
-def conv2d(x: torch.Tensor, weight: torch.Tensor, operands: Sequence[torch.Tensor], epilogue: str,
+def conv2d_impl(x: torch.Tensor, weight: torch.Tensor, operands: Sequence[torch.Tensor], epilogue: str,
            stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], provider: str) -> torch.Tensor:
     out = torch.empty(conv_out_shape(x, weight, stride, padding, dilation), dtype=x.dtype, device=x.device,
                       memory_format=conv_out_format(x, weight))
@@ -85,6 +84,9 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, operands: Sequence[torch.Tenso
     return conv2d_reference(x, weight, operands, epilogue, stride, padding, dilation, out)
 
 
+conv2d = torch.library.custom_op("resfuse::conv2d", conv2d_impl, mutates_args=())
+
+
 def conv2d_reference(x, weight, operands, epilogue, stride, padding, dilation, out):
     """The unfused ATen path (cuDNN conv, then the epilogue as torch ops): the CPU path and the aten provider."""
     acc = torch.ops.aten.convolution(x, weight, None, list(stride), list(padding), list(dilation), False, [0, 0], 1)
@@ -97,8 +99,7 @@ def _(x, weight, operands, epilogue, stride, padding, dilation, provider):
                        memory_format=conv_out_format(x, weight))
 
 
-@torch.library.custom_op("resfuse::gemm", mutates_args=())
-def gemm(a: torch.Tensor, b: torch.Tensor, operands: Sequence[torch.Tensor], epilogue: str,
+def gemm_impl(a: torch.Tensor, b: torch.Tensor, operands: Sequence[torch.Tensor], epilogue: str,
          out_shape: Sequence[int], provider: str) -> torch.Tensor:
     """[M, K] @ [K, N] or [B, M, K] @ [B, K, N], then the epilogue, into a contiguous tensor of out_shape.
 
@@ -121,6 +122,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, operands: Sequence[torch.Tensor], epi
     else:
         _record("gemm", epilogue, "reference")
     return gemm_reference(a, b, operands, epilogue, out_shape, out)
+
+
+gemm = torch.library.custom_op("resfuse::gemm", gemm_impl, mutates_args=())
 
 
 def gemm_reference(a, b, operands, epilogue, out_shape, out):

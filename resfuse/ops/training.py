@@ -24,8 +24,7 @@ from .fused import _finish, _record, _use_triton, conv_out_format
 aten = torch.ops.aten
 
 
-@torch.library.custom_op("resfuse::batch_norm", mutates_args=())
-def batch_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+def batch_norm_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                running_mean: torch.Tensor, running_var: torch.Tensor, operands: Sequence[torch.Tensor],
                epilogue: str, momentum: float, eps: float,
                provider: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -39,6 +38,9 @@ def batch_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[t
         return (y, *[t if t.dtype == d else t.to(d) for t, d in zip((mean, invstd, rm, rv), want)])
     _record("batch_norm", epilogue, "reference")
     return batch_norm_reference(x, weight, bias, running_mean, running_var, operands, epilogue, momentum, eps)
+
+
+batch_norm = torch.library.custom_op("resfuse::batch_norm", batch_norm_impl, mutates_args=())
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,8 +76,7 @@ def dgrad_out(grad_out: torch.Tensor, weight: torch.Tensor, input_shape) -> torc
                        memory_format=conv_out_format(grad_out, weight))
 
 
-@torch.library.custom_op("resfuse::conv2d_dgrad", mutates_args=())
-def conv2d_dgrad(grad_out: torch.Tensor, weight: torch.Tensor, operands: Sequence[torch.Tensor], epilogue: str,
+def conv2d_dgrad_impl(grad_out: torch.Tensor, weight: torch.Tensor, operands: Sequence[torch.Tensor], epilogue: str,
                  input_shape: Sequence[int], stride: Sequence[int], padding: Sequence[int],
                  dilation: Sequence[int], provider: str) -> torch.Tensor:
     out = dgrad_out(grad_out, weight, input_shape)
@@ -96,6 +97,9 @@ def conv2d_dgrad(grad_out: torch.Tensor, weight: torch.Tensor, operands: Sequenc
     else:
         _record("conv2d_dgrad", epilogue, "reference")
     return conv2d_dgrad_reference(grad_out, weight, operands, epilogue, input_shape, stride, padding, dilation, out)
+
+
+conv2d_dgrad = torch.library.custom_op("resfuse::conv2d_dgrad", conv2d_dgrad_impl, mutates_args=())
 
 
 def conv2d_dgrad_reference(grad_out, weight, operands, epilogue, input_shape, stride, padding, dilation, out):
