@@ -7,8 +7,8 @@ CUTLASS #391 ran the epilogue per partition, which is wrong for a nonlinear acti
 split stores its fp32 partial, then takes a ticket for its output tile with an atomic add; the split that
 draws the last ticket sums the partials in fixed order 0..S-1 (so results are bit-identical run to run, and
 do not depend on arrival order), resets the ticket to 0 for the next launch, and alone runs the epilogue.
-The buffers are shared by every launch on a device, which is safe because launches on one stream are
-ordered; kernels on two streams at once would need their own buffers (not supported).
+The tickets are shared by every launch on a device, which is safe because launches on one stream are
+ordered; kernels on two streams at once would need their own (not supported).
 """
 from __future__ import annotations
 
@@ -39,11 +39,16 @@ def split_k_reduce(acc, ws, tickets, tile, pid_k, BM: tl.constexpr, BN: tl.const
 
 
 def buffers(device: torch.device, tiles: int, split: int, bm: int, bn: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A workspace of at least tiles*split*bm*bn fp32 and at least `tiles` zeroed tickets, grown on demand."""
-    need_ws = max(1, tiles * split * bm * bn) if split > 1 else 1
-    ws = _WORKSPACE.get(device)
-    if ws is None or ws.numel() < need_ws:
-        ws = _WORKSPACE[device] = torch.empty(need_ws, dtype=torch.float32, device=device)
+    """A workspace of tiles*split*bm*bn fp32 (a 1-element dummy without split-K) and at least `tiles` zeroed
+    tickets (kept per device, grown on demand)."""
+    if split > 1:
+        # from the caching allocator per launch, freed (stream-ordered) when the launch is done: a buffer kept
+        # at the largest size ever asked for (tuning tries split-K on the biggest layers) held GBs for good
+        ws = torch.empty(tiles * split * bm * bn, dtype=torch.float32, device=device)
+    else:
+        ws = _WORKSPACE.get(device)
+        if ws is None:
+            ws = _WORKSPACE[device] = torch.empty(1, dtype=torch.float32, device=device)
     need_t = max(1, tiles) if split > 1 else 1
     tickets = _TICKETS.get(device)
     if tickets is None or tickets.numel() < need_t:
