@@ -91,7 +91,7 @@ def grads_of(model, data, loss_fn):
             for n, p in model.named_parameters() if p.grad is not None}
 
 
-def top_kernels(step, n: int = 15) -> list:
+def top_kernels(step, n: int = 25) -> list:
     """The step's CUDA kernels by total time, and the host (CPU) time of the whole step, per step."""
     from torch.profiler import ProfilerActivity, profile
 
