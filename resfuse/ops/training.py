@@ -103,12 +103,17 @@ conv2d_dgrad = torch.library.custom_op("resfuse::conv2d_dgrad", conv2d_dgrad_imp
 
 
 def conv2d_dgrad_reference(grad_out, weight, operands, epilogue, input_shape, stride, padding, dilation, out):
-    """cuDNN's data gradient, then the epilogue in torch. convolution_backward reads `input` only for its
-    shape and layout when the weight gradient is not asked for."""
-    shape_only = torch.empty_like(out)
-    acc = aten.convolution_backward(grad_out, shape_only, weight, None, list(stride), list(padding),
-                                    list(dilation), False, [0, 0], 1, [True, False, False])[0]
-    return _finish(acc, out, operands, epilogue, 1)
+    """cuDNN's data gradient, then the epilogue in torch."""
+    return _finish(cudnn_dgrad(grad_out, weight, out.shape, stride, padding, dilation), out, operands, epilogue, 1)
+
+
+def cudnn_dgrad(grad_out, weight, input_shape, stride, padding, dilation) -> torch.Tensor:
+    """ATen's (cuDNN's) data gradient alone. convolution_backward reads `input` only for its shape when the
+    weight gradient is not asked for, so it gets a one-element expand (as torch.nn.grad.conv2d_input does),
+    not an input-sized allocation."""
+    shape_only = grad_out.new_empty(1).expand(list(input_shape))
+    return aten.convolution_backward(grad_out, shape_only, weight, None, list(stride), list(padding),
+                                     list(dilation), False, [0, 0], 1, [True, False, False])[0]
 
 
 @conv2d_dgrad.register_fake

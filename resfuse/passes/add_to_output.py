@@ -110,8 +110,13 @@ def add_to_output(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         if add.kwargs.get("alpha", 1) != 1:
             ctx.reject(add, f"add with alpha={add.kwargs['alpha']}")
             continue
-        # try the deeper producer first (the main path of a residual block, not its shortcut), then the later
-        sides = sorted([(a, b), (b, a)], key=lambda s: (-depth.get(s[0], 0), -order.get(s[0], -1)))
+        # Forward and inference: the deeper producer first (the main path of a residual block, not its
+        # shortcut), then the later. Backward: the later first, so the fused op runs where the add was without
+        # keeping the other producer's inputs alive until then (both sides are often dgrads there).
+        if ctx.graph == "backward":
+            sides = sorted([(a, b), (b, a)], key=lambda s: -order.get(s[0], -1))
+        else:
+            sides = sorted([(a, b), (b, a)], key=lambda s: (-depth.get(s[0], 0), -order.get(s[0], -1)))
         reasons = []
         for producer, other in sides:
             why = _refusal(producer, other, add) or _absorb(producer, other, add, ctx)
