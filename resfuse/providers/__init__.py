@@ -4,14 +4,14 @@ Entry point: `candidates(call, level) -> list[tuning.select.Candidate]`. Each pr
 `refusal(call) -> str | None` (can it run this op at all?) and `candidates(call, level)`.
   triton  our templates x the configs of tuning/space.py (with an epilogue-free twin for stage 1);
   epilogue  cuDNN/cuBLAS, then the whole epilogue in one generated Triton kernel (torch.compile's way);
+  cudnn   one cuDNN frontend graph: conv_fprop, then the epilogue as pointwise nodes (optional extra);
   aten    the unfused baseline: cuDNN/cuBLAS, then the epilogue as separate torch ops.
-A cuDNN-frontend provider (one fused cuDNN graph) is not written yet.
 """
 from __future__ import annotations
 
-from . import aten, epilogue, triton
+from . import aten, cudnn, epilogue, triton
 
-PROVIDERS = {"triton": triton, "epilogue": epilogue, "aten": aten}
+PROVIDERS = {"triton": triton, "cudnn": cudnn, "epilogue": epilogue, "aten": aten}
 
 
 def candidates(call, level: str, allowed=tuple(PROVIDERS)) -> list:

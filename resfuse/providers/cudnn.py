@@ -1,0 +1,174 @@
+"""The cudnn provider: one cuDNN frontend graph per fused conv, conv_fprop followed by the epilogue's
+pointwise ops, run by cuDNN's runtime-fusion engines as one kernel where they support it.
+
+Entry points: `refusal(call)`, `candidates(call, level)`, `run(call, out)` (used by ops/fused.py). An optional
+extra, `pip install resfuse[cudnn]` (the `nvidia-cudnn-frontend` package): without it every call is refused
+with that reason. A graph is built once per (shapes, strides, dtypes, epilogue) and is offered only when
+cuDNN's `check_support` passes; what cuDNN cannot fuse (or a missing op below) is refused, never run.
+
+The epilogue tree maps onto cuDNN pointwise nodes one to one: add/sub/mul/div, relu (also leaky, and clamp
+as a clipped relu), gelu, gelu_tanh, sigmoid, tanh, silu (swish), and inference batch norm written out as
+(x - mean) * rsqrt(var + eps) * weight + bias. Operands are graph tensors with their own strides, broadcast
+dims given as 1 (cuDNN's rule); constants are pass-by-value scalars. Intermediates and math are fp32.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import epilogue as epi
+from ..tuning.select import Candidate
+
+UNARY = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_approx_tanh", "sigmoid": "sigmoid", "tanh": "tanh",
+         "silu": "swish"}
+BINARY = ("add", "sub", "mul", "div")
+
+
+@functools.lru_cache(maxsize=None)
+def _cudnn():
+    try:
+        import cudnn
+    except ImportError:
+        return None
+    return cudnn
+
+
+def _unsupported(tree: epi.Node) -> str | None:
+    if isinstance(tree, epi.Op):
+        if tree.name not in UNARY and tree.name not in BINARY and tree.name not in ("bn", "leaky_relu", "clamp"):
+            return f"epilogue op {tree.name} has no cuDNN pointwise form here"
+        return next((why for why in map(_unsupported, tree.args) if why), None)
+    return None
+
+
+def refusal(call) -> str | None:
+    if call.op != "conv2d":
+        return "cuDNN graphs are built for conv2d forward only"
+    if call.out.device.type != "cuda":
+        return f"cuDNN needs a CUDA device, not {call.out.device}"
+    if _cudnn() is None:
+        return "nvidia-cudnn-frontend is not installed (pip install resfuse[cudnn])"
+    return _unsupported(epi.parse(call.signature))
+
+
+def _operand4(t: torch.Tensor, out_shape, kind: str) -> torch.Tensor:
+    """The operand as a 4-D tensor broadcastable to the conv output (a 1-D per-channel vector lies on dim 1)."""
+    if kind == "c" and t.dim() == 1:
+        return t.view(1, -1, 1, 1)
+    while t.dim() < 4:
+        t = t.unsqueeze(0)
+    return t
+
+
+class Plan:
+    """A built cuDNN graph for one problem, and how to bind a call's tensors to it."""
+
+    def __init__(self, call):
+        cudnn = _cudnn()
+        io = {torch.float16: cudnn.data_type.HALF, torch.bfloat16: cudnn.data_type.BFLOAT16,
+              torch.float32: cudnn.data_type.FLOAT}[call.out.dtype]
+        self.handle = cudnn.create_handle()
+        g = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
+                          compute_data_type=cudnn.data_type.FLOAT, handle=self.handle)
+        x, w = call.inputs
+        stride, padding, dilation = call.params
+        self.x = g.tensor(dim=list(x.shape), stride=list(x.stride()), data_type=io, name="x")
+        self.w = g.tensor(dim=list(w.shape), stride=list(w.stride()), data_type=io, name="w")
+        acc = g.conv_fprop(image=self.x, weight=self.w, padding=list(padding), stride=list(stride),
+                           dilation=list(dilation), compute_data_type=cudnn.data_type.FLOAT, name="conv")
+        tree = epi.parse(call.signature)
+        kinds = {o.slot: o.kind for o in epi.operands(tree)}
+        self.operands = []
+        for slot, t in enumerate(call.operands):
+            t4 = _operand4(t, call.out.shape, kinds[slot])
+            dtype = {torch.float16: cudnn.data_type.HALF, torch.bfloat16: cudnn.data_type.BFLOAT16,
+                     torch.float32: cudnn.data_type.FLOAT}[t.dtype]
+            self.operands.append(g.tensor(dim=list(t4.shape), stride=list(t4.stride()), data_type=dtype,
+                                          name=f"op{slot}"))
+        self.kinds = kinds
+        self.scalars, self.host_scalars = {}, {}
+        y = self._emit(g, tree, acc)
+        y.set_output(True).set_data_type(io)
+        y.set_dim(list(call.out.shape)).set_stride(list(call.out.stride()))
+        self.y = y
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plans()
+        self.graph = g
+        self.workspace_bytes = g.get_workspace_size()
+
+    def _scalar(self, g, value: float):
+        t = self.scalars.get(value)
+        if t is None:  # a pass-by-value scalar, bound to a host tensor at execute
+            t = self.scalars[value] = g.tensor(dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], is_pass_by_value=True,
+                                               data_type=_cudnn().data_type.FLOAT, name=f"k{len(self.scalars)}")
+            self.host_scalars[value] = torch.full((1, 1, 1, 1), float(value), dtype=torch.float32)
+        return t
+
+    def _emit(self, g, node, acc):
+        if node == epi.ACC:
+            return acc
+        if isinstance(node, epi.Operand):
+            return self.operands[node.slot]
+        if isinstance(node, epi.Const):
+            return self._scalar(g, node.value)
+        args = [self._emit(g, a, acc) for a in node.args]
+        if node.name in BINARY:
+            return getattr(g, node.name)(a=args[0], b=args[1])
+        if node.name == "bn":  # (x - mean) * rsqrt(var + eps) * weight + bias
+            x, mean, var, weight, bias = args
+            inv = g.rsqrt(input=g.add(a=var, b=self._scalar(g, node.params[0])))
+            return g.add(a=g.mul(a=g.mul(a=g.sub(a=x, b=mean), b=inv), b=weight), b=bias)
+        if node.name == "leaky_relu":
+            return g.relu(input=args[0], negative_slope=node.params[0])
+        if node.name == "clamp":
+            lo, hi = node.params
+            return g.relu(input=args[0], lower_clip=lo, upper_clip=None if hi == float("inf") else hi)
+        if node.name == "silu":
+            return g.swish(input=args[0], swish_beta=1.0)
+        return getattr(g, UNARY[node.name])(input=args[0])
+
+    def run(self, call, out: torch.Tensor) -> torch.Tensor:
+        cudnn = _cudnn()
+        cudnn.set_stream(self.handle, torch.cuda.current_stream().cuda_stream)
+        binding = {self.x: call.inputs[0], self.w: call.inputs[1], self.y: out}
+        for slot, (t, tensor) in enumerate(zip(call.operands, self.operands)):
+            binding[tensor] = _operand4(t, out.shape, self.kinds[slot])
+        for value, tensor in self.scalars.items():
+            binding[tensor] = self.host_scalars[value]
+        workspace = torch.empty(max(1, self.workspace_bytes), dtype=torch.uint8, device=out.device)
+        self.graph.execute(binding, workspace, handle=self.handle)
+        return out
+
+
+_PLANS: dict = {}
+
+
+def _plan(call) -> Plan:
+    from ..tuning.choose import key
+
+    k = key(call)
+    if k not in _PLANS:
+        _PLANS[k] = Plan(call)
+    return _PLANS[k]
+
+
+def run(call, out: torch.Tensor) -> torch.Tensor:
+    return _plan(call).run(call, out)
+
+
+def candidates(call, level: str) -> list[Candidate]:
+    try:
+        plan = _plan(call)
+    except Exception as e:  # cuDNN has no engine for this graph (check_support) or cannot build it: refused
+        from ..tuning.choose import key
+
+        _PLANS.pop(key(call), None)
+        print(f"resfuse: cudnn provider refused {call.signature} on {tuple(call.out.shape)}: "
+              f"{type(e).__name__}: {str(e)[:160]}")
+        return []
+    scratch = torch.empty_like(call.out)  # never the live output (OneFlow #9452)
+    return [Candidate("cudnn", "cudnn", {}, lambda: plan.run(call, scratch))]
