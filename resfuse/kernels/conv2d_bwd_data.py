@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .codegen import Family
-from .matmul import split_k_heuristic, tiles_fit
+from .matmul import GemmConfig, split_k_heuristic
 from .tiles import cdiv, k_range, mma, swizzle_tile
 
 
@@ -153,19 +153,8 @@ class DgradProblem:
         return triton.cdiv(self.r, self.stride_h) * triton.cdiv(self.s, self.stride_w)
 
 
-@dataclasses.dataclass(frozen=True)
-class DgradConfig:
-    """One point of the tuning space; `check` says whether it is legal for a problem."""
-    block_m: int = 128
-    block_n: int = 128
-    block_k: int = 64
-    group_m: int = 8
-    split_k: int = 1
-    num_warps: int = 8
-    num_stages: int = 3
-
-    def check(self, p: DgradProblem) -> bool:
-        return tiles_fit(self, p.dtype_bytes)
+# The same tile knobs as the GEMM's (block_m/n/k, group_m, split_k, warps, stages) and the same fit check.
+DgradConfig = GemmConfig
 
 
 SPACE = {  # every point of this product that passes check() is a legal config

@@ -73,15 +73,18 @@ def _training_refusal(origin: fx.Node) -> str | None:
             return f"{legality.val(x).dim()}-D batch norm input (2-D and 4-D only)"
         return legality.first(legality.static_tensor(x), legality.supported_dtype(x))
     grad_out, x, w = origin.args[:3]
-    transposed, groups = origin.args[7], origin.args[9]
+    return legality.first(_conv_refusal(w, origin.args[7], origin.args[9]), legality.static_tensor(grad_out),
+                          legality.static_tensor(x), *[legality.supported_dtype(a) for a in (grad_out, w)])
+
+
+def _conv_refusal(w: fx.Node, transposed: bool, groups: int) -> str | None:
     if transposed:
         return "transposed convolution not supported"
     if legality.val(w) is not None and legality.val(w).dim() != 4:
         return f"{legality.val(w).dim() - 2}-D convolution not supported (2-D only)"
     if groups != 1:
         return f"grouped convolution (groups={groups}) not supported yet"
-    return legality.first(legality.static_tensor(grad_out), legality.static_tensor(x),
-                          *[legality.supported_dtype(a) for a in (grad_out, w)])
+    return None
 
 
 def anchor_refusal(node: fx.Node) -> str | None:
@@ -90,14 +93,9 @@ def anchor_refusal(node: fx.Node) -> str | None:
     if origin is not None:
         return _training_refusal(origin)
     if node.target == aten.convolution.default:
-        x, w = node.args[:2]
-        transposed, groups = node.args[6], node.args[8]
-        if transposed:
-            return "transposed convolution not supported"
-        if legality.val(w) is not None and legality.val(w).dim() != 4:
-            return f"{legality.val(w).dim() - 2}-D convolution not supported (2-D only)"
-        if groups != 1:
-            return f"grouped convolution (groups={groups}) not supported yet"
+        why = _conv_refusal(node.args[1], node.args[6], node.args[8])
+        if why:
+            return why
     if node.target == aten.addmm.default and legality.static_tensor(node.args[0]) is None:
         kind, why = legality.broadcast_kind(node.args[0], legality.val(node), -1)
         if why:
