@@ -21,6 +21,7 @@ from ..passes import PassContext, run_passes
 from ..passes.attention_mask import contiguous_attention_masks
 from ..passes.liveness import peak_bytes
 from ..passes.report import Report
+from ..tuning.progress import PROGRESS
 from .cuda_graphs import CudaGraphed
 
 # Graph kinds the passes rewrite: all of them (aot_autograd's inference graph, or training's forward and backward).
@@ -48,8 +49,20 @@ def compile_graph(gm: fx.GraphModule, example_inputs, *, config: Config, graph: 
         return original
     if not run_graph:
         return original
-    gm = lower_to_impls(gm)
+    gm = track_progress(lower_to_impls(gm))
     return CudaGraphed(gm) if config.cuda_graphs else gm
+
+
+def track_progress(gm: fx.GraphModule) -> fx.GraphModule:
+    """Tell the tuning progress bar how many fused ops this graph has, and let the graph's end close it: by
+    the end of its first call every fused op has chosen its implementation."""
+    fused = sum("resfuse" in n.meta for n in gm.graph.nodes)
+    if fused:
+        PROGRESS.expect(fused)
+        with gm.graph.inserting_before(next(n for n in gm.graph.nodes if n.op == "output")):
+            gm.graph.call_function(PROGRESS.graph_ran, ())
+        gm.recompile()
+    return gm
 
 
 def make_backend(config: Config, report: Report, run_graph: bool = True):

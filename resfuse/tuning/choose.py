@@ -24,6 +24,7 @@ from .. import providers
 from ..kernels import codegen, conv2d_bwd_data, conv2d_fprop, matmul
 from . import select
 from .cache import Entry, Key, TuningCache, environment
+from .progress import PROGRESS
 
 TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float32: 2e-3}  # fp32 runs as tf32
 
@@ -98,9 +99,11 @@ def choose(call: Call) -> Choice:
         remaining = _SETTINGS["budget_s"] - _STATE["spent_s"]
         if remaining <= 0:
             _CHOICES[fast] = UNTUNED  # budget spent: tuned by a later compile (configure forgets these)
+            PROGRESS.op_done(f"resfuse: {call.op} {_shape(call)} {call.signature}: tuning budget spent, "
+                             "runs cuDNN/cuBLAS + our epilogue kernel")
             return UNTUNED
         start = time.monotonic()
-        entry = tune(call, bench=_bench, level=level, budget_s=remaining)
+        entry = tune(call, bench=_bench, level=level, budget_s=remaining, report=PROGRESS.op_done)
         gc.collect()  # the benchmarks' CUDA graphs keep their private memory pools until they are collected
         _STATE["spent_s"] += time.monotonic() - start
         if entry is None:
@@ -108,6 +111,8 @@ def choose(call: Call) -> Choice:
             _CHOICES[fast] = UNFUSED
             return UNFUSED
         _cache().put(k, entry, replace=_SETTINGS["force"])
+    else:
+        PROGRESS.op_done()  # a cache hit: no line
     choice = Choice(entry.provider, _config(call.op, entry.config) if entry.provider == "triton" else None)
     _CHOICES[fast] = choice
     return choice
@@ -143,11 +148,14 @@ def tune(call: Call, *, bench, level: str, budget_s: float = float("inf"), repor
         return None
     best = outcome.times[outcome.winner.name]
     vs_aten = outcome.times.get("aten", float("nan")) / best
-    shape = "x".join(map(str, call.out.shape))
-    report(f"resfuse: tuned {call.op} {shape} {call.signature}: {outcome.winner.name} {best * 1e6:.1f} us, "
+    report(f"resfuse: tuned {call.op} {_shape(call)} {call.signature}: {outcome.winner.name} {best * 1e6:.1f} us, "
            f"{vs_aten:.2f}x over aten")
     top = dict(sorted(outcome.times.items(), key=lambda kv: kv[1])[:5])
     return Entry(outcome.winner.provider, outcome.winner.config, top)
+
+
+def _shape(call: Call) -> str:
+    return "x".join(map(str, call.out.shape))
 
 
 def _reference(call: Call) -> torch.Tensor:
