@@ -1,0 +1,94 @@
+"""Property test of the training passes: random small residual networks (widths, strides, shortcut kinds,
+activation placement, layouts, where the input needs a gradient) train one step through resfuse and match
+eager's loss, gradients and running statistics, with every pass on and off."""
+import copy
+import os
+
+import torch
+import torch.nn as nn
+from hypothesis import given, settings, strategies as st
+
+import resfuse
+
+
+class Block(nn.Module):
+    def __init__(self, cin, cout, stride, projection, act_after_add, bias):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=bias), nn.BatchNorm2d(cout)
+        self.conv2, self.bn2 = nn.Conv2d(cout, cout, 1, bias=bias), nn.BatchNorm2d(cout)
+        self.short = None
+        if projection or stride != 1 or cin != cout:
+            self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+        self.act_after_add = act_after_add
+
+    def forward(self, x):
+        y = self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x)))))
+        y = y + (x if self.short is None else self.short(x))
+        return torch.relu(y) if self.act_after_add else y
+
+
+@st.composite
+def networks(draw):
+    c = draw(st.sampled_from([3, 4, 6]))
+    blocks, cin = [], c
+    for _ in range(draw(st.integers(1, 3))):
+        cout = draw(st.sampled_from([cin, 4, 8]))
+        blocks.append(Block(cin, cout, draw(st.sampled_from([1, 2])), draw(st.booleans()), draw(st.booleans()),
+                            draw(st.booleans())))
+        cin = cout
+    size = draw(st.sampled_from([5, 8]))
+    return c, nn.Sequential(*blocks), size, draw(st.booleans()), draw(st.booleans())
+
+
+EXAMPLES = int(os.environ.get("RESFUSE_EXAMPLES", 12))
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(networks(), st.booleans(), st.booleans(), st.integers(0, 2**16))
+def test_random_residual_nets_train_like_eager(net, epilogue, add_to_output, seed):
+    check_one_step(net, seed, fuse_epilogue=epilogue, fuse_add_to_output=add_to_output)
+
+
+@settings(max_examples=max(1, EXAMPLES // 4), deadline=None)
+@given(networks(), st.integers(0, 2**16))
+def test_random_residual_nets_train_like_eager_through_the_triton_kernels(net, seed):
+    report = check_one_step(net, seed, interpret=True)
+    assert {f.ran for f in report.fusions} <= {"triton"}
+
+
+def check_one_step(net, seed, **config):
+    """One step through resfuse and through eager, both judged against eager in float64: resfuse's error may
+    be at most a few times eager's own (BN over a handful of values makes some nets ill-conditioned, so a
+    fixed fp32 tolerance between the two would flag rounding, not bugs)."""
+    c, body, size, channels_last, input_grad = net
+    torch.manual_seed(seed)
+    body.train()
+    twin, exact = copy.deepcopy(body), copy.deepcopy(body).double()
+    x = torch.randn(2, c, size, size)
+    if channels_last:
+        body, twin = body.to(memory_format=torch.channels_last), twin.to(memory_format=torch.channels_last)
+        x = x.to(memory_format=torch.channels_last)
+    xs = [x.clone().requires_grad_(input_grad), x.clone().requires_grad_(input_grad),
+          x.double().requires_grad_(input_grad)]
+    torch._dynamo.reset()
+    compiled = resfuse.compile(body, **config)
+    losses = [m(v).square().mean() for m, v in zip((compiled, twin, exact), xs)]
+    for loss in losses:
+        loss.backward()
+    assert not compiled.resfuse_report.errors
+
+    def close(ours, eager, truth, what):
+        ours_err = (ours.double() - truth).abs().max().item()
+        eager_err = (eager.double() - truth).abs().max().item()
+        bound = 4 * eager_err + 1e-6 * (truth.abs().max().item() + scale)
+        assert ours_err <= bound, f"{what}: error {ours_err:.3g} vs float64, eager's {eager_err:.3g}"
+
+    scale = max(q.grad.abs().max().item() for q in exact.parameters())
+    close(losses[0].detach(), losses[1].detach(), losses[2].detach(), "loss")
+    if input_grad:
+        close(xs[0].grad, xs[1].grad, xs[2].grad, "input gradient")
+    for (name, p), q, r in zip(body.named_parameters(), twin.parameters(), exact.parameters()):
+        close(p.grad, q.grad, r.grad, f"{name} gradient")
+    for (name, b), q, r in zip(body.named_buffers(), twin.buffers(), exact.buffers()):
+        close(b, q, r, name)
+    return compiled.resfuse_report
