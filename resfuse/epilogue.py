@@ -108,6 +108,9 @@ OPS: dict[str, OpSpec] = {
     # threshold, else 0; params: threshold
     "threshold_bwd": OpSpec(2, lambda g, y, t: torch.where(y <= t, torch.zeros_like(g), g),
                             lambda g, y, t: f"tl.where({y} <= {t!r}, 0.0, {g})"),
+    # the output is stored in fp32 (the epilogue math already is): mixed-precision graphs add an fp16/bf16 GEMM
+    # or conv to an fp32 tensor, which promotes; only ever the root of a tree (see out_dtype)
+    "float32": OpSpec(1, lambda x: x, lambda x: x),
     # inference batch norm over per-channel mean, var, weight, bias; params: eps
     "bn": OpSpec(5, lambda x, m, v, w, b, eps: (x - m) * torch.rsqrt(v + eps) * w + b,
                  lambda x, m, v, w, b, eps: f"(({x} - {m}) * tl.rsqrt({v} + {eps!r}) * {w} + {b})"),
@@ -141,7 +144,7 @@ def label(op: Op) -> str:
         return "bias"
     if op.name == "clamp":
         return "relu6" if tuple(op.params) == (0.0, 6.0) else "clamp"
-    return {"gelu_tanh": "gelu", "threshold_bwd": "drelu"}.get(op.name, op.name)
+    return {"gelu_tanh": "gelu", "threshold_bwd": "drelu", "float32": "to_fp32"}.get(op.name, op.name)
 
 
 def pattern_ops(node: Node) -> list[str]:
@@ -158,6 +161,15 @@ def full_adds(node: Node) -> int:
         return 0
     own = node.name == "add" and any(isinstance(a, Operand) and a.kind == "full" for a in node.args)
     return int(own) + sum(full_adds(a) for a in node.args)
+
+
+def out_dtype(tree: Node, default: torch.dtype) -> torch.dtype:
+    """The fused output's dtype: fp32 under a root float32 marker, else the anchor's (`default`)."""
+    return torch.float32 if isinstance(tree, Op) and tree.name == "float32" else default
+
+
+def without_cast(tree: Node) -> Node:
+    return tree.args[0] if isinstance(tree, Op) and tree.name == "float32" else tree
 
 
 # ---- signature round trip ---------------------------------------------------------------------------------

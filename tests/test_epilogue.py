@@ -49,7 +49,8 @@ def test_pattern_names():
 
 TORCH = {"relu": torch.relu, "clamp": lambda x: torch.clamp(x, -0.5, 6.0), "leaky_relu": lambda x: F.leaky_relu(x, 0.2),
          "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu,
-         "sigmoid": torch.sigmoid, "hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid, "tanh": torch.tanh}
+         "sigmoid": torch.sigmoid, "hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid, "tanh": torch.tanh,
+         "float32": lambda x: x}
 
 
 def test_reference_matches_torch_for_every_unary_op():

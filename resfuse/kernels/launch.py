@@ -32,7 +32,8 @@ def _sms(device: torch.device) -> int:
 
 
 def _check_inputs(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> None:
-    if p.dtype not in _DTYPES or q.dtype != p.dtype or out.dtype != p.dtype:
+    # out may be fp32 for fp16/bf16 inputs: an epilogue under a float32 marker (mixed precision)
+    if p.dtype not in _DTYPES or q.dtype != p.dtype or out.dtype not in (p.dtype, torch.float32):
         raise TypeError(f"resfuse kernels need matching fp16/bf16/fp32 inputs and output, got "
                         f"{p.dtype}, {q.dtype} -> {out.dtype}")
     if not (p.device == q.device == out.device):

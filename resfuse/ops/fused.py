@@ -63,7 +63,8 @@ def _record(op: str, signature: str, path: str) -> None:
 
 def conv2d_impl(x: torch.Tensor, weight: torch.Tensor, operands: Sequence[torch.Tensor], epilogue: str,
            stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], provider: str) -> torch.Tensor:
-    out = torch.empty(conv_out_shape(x, weight, stride, padding, dilation), dtype=x.dtype, device=x.device,
+    out = torch.empty(conv_out_shape(x, weight, stride, padding, dilation),
+                      dtype=epi.out_dtype(epi.parse(epilogue), x.dtype), device=x.device,
                       memory_format=conv_out_format(x, weight))
     if _use_triton(x.device, provider):
         from .. import kernels
@@ -98,7 +99,8 @@ def conv2d_reference(x, weight, operands, epilogue, stride, padding, dilation, o
 
 @conv2d.register_fake
 def _(x, weight, operands, epilogue, stride, padding, dilation, provider):
-    return torch.empty(conv_out_shape(x, weight, stride, padding, dilation), dtype=x.dtype, device=x.device,
+    return torch.empty(conv_out_shape(x, weight, stride, padding, dilation),
+                       dtype=epi.out_dtype(epi.parse(epilogue), x.dtype), device=x.device,
                        memory_format=conv_out_format(x, weight))
 
 
@@ -109,7 +111,7 @@ def gemm_impl(a: torch.Tensor, b: torch.Tensor, operands: Sequence[torch.Tensor]
     out_shape is the product's shape, or a view of it that keeps the last dim (the [M, N] -> [B, S, N] of a
     linear layer): the epilogue's operands then broadcast against out_shape.
     """
-    out = torch.empty(out_shape, dtype=a.dtype, device=a.device)
+    out = torch.empty(out_shape, dtype=epi.out_dtype(epi.parse(epilogue), a.dtype), device=a.device)
     if _use_triton(a.device, provider):
         from .. import kernels
         from ..tuning.choose import Call, choose
@@ -138,4 +140,4 @@ def gemm_reference(a, b, operands, epilogue, out_shape, out):
 
 @gemm.register_fake
 def _(a, b, operands, epilogue, out_shape, provider):
-    return a.new_empty(out_shape)
+    return a.new_empty(out_shape, dtype=epi.out_dtype(epi.parse(epilogue), a.dtype))

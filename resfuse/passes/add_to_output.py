@@ -35,13 +35,27 @@ def _gemm_behind_view(node) -> fx.Node | None:
     return src
 
 
+def _cast_of(node) -> fx.Node | None:
+    """The value that `node`, an fp16/bf16 -> fp32 `_to_copy` (autocast's), converts, or None."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target == aten._to_copy.default):
+        return None
+    src, kw, v = node.args[0], node.kwargs, legality.val(node.args[0])
+    same_place = (kw.get("layout", torch.strided) == torch.strided and set(kw) <= {"dtype", "layout", "device"}
+                  and v is not None and torch.device(kw.get("device", v.device)) == v.device)
+    if not same_place or kw.get("dtype") != torch.float32 or len(src.users) != 1:
+        return None
+    return src if v.dtype in (torch.float16, torch.bfloat16) else None
+
+
 def _refusal(producer, other: fx.Node, add: fx.Node) -> str | None:
     if not isinstance(producer, fx.Node) or producer.op != "call_function":
         return "not an op that can accumulate into its output"
+    cast_of = _cast_of(producer)
+    if cast_of is not None:  # the producer's fp32 copy: the producer stores fp32 itself
+        return legality.first(legality.sole_consumer(producer), _refusal(cast_of, other, add))
     view_of = _gemm_behind_view(producer)
     if view_of is not None:
-        return _refusal(view_of, other, add) if legality.same_layout(other, legality.val(producer)) is None \
-            else legality.same_layout(other, legality.val(producer))
+        return legality.first(_layout(other, producer, add), _refusal(view_of, other, add))
     fused = fused_op(producer)
     if fused is None and not is_anchor(producer):
         return f"{producer.target} cannot accumulate into its output"
@@ -50,22 +64,41 @@ def _refusal(producer, other: fx.Node, add: fx.Node) -> str | None:
         if why:
             return why
     tree = epi.parse(signature(fused)) if fused is not None else None
-    through_view = _gemm_behind_view(add.args[0]) is producer or _gemm_behind_view(add.args[1]) is producer
+    wrapped = producer not in add.args[:2]  # reached through a view or a cast, which were checked
     return legality.first(
-        not through_view and legality.sole_consumer(producer),
+        not wrapped and legality.sole_consumer(producer),
         tree is not None and epi.full_adds(tree) and "the producer has already absorbed an add",
-        not through_view and legality.same_layout(other, legality.val(producer)),
+        not wrapped and _layout(other, producer, add),
+        _promotion_refusal(producer, add),
         legality.no_cycle(other, producer),
         legality.no_alias(other, producer.all_input_nodes),
         legality.no_mutation(producer, other, add),
     )
 
 
+def _layout(other: fx.Node, producer: fx.Node, add: fx.Node) -> str | None:
+    out = legality.val(producer)
+    return legality.same_layout(other, out, torch.float32 if legality.promotes(add, out) else None)
+
+
+def _promotion_refusal(producer: fx.Node, add: fx.Node) -> str | None:
+    fused = fused_op(producer)
+    anchor = fused.meta["resfuse"]["anchor"] if fused is not None else (
+        "conv2d" if producer.target == aten.convolution.default else
+        "gemm" if producer.target in (aten.mm.default, aten.addmm.default, aten.bmm.default) else "training")
+    if legality.promotes(add, legality.val(producer)) and anchor not in ("conv2d", "gemm"):
+        return f"a mixed-precision add (fp32 result) into a {anchor} output is not supported"
+    return None
+
+
 def _absorb(producer: fx.Node, other: fx.Node, add: fx.Node, ctx) -> str | None:
-    view = None
+    cast = view = None
+    if _cast_of(producer) is not None:
+        cast, producer = producer, _cast_of(producer)
     if _gemm_behind_view(producer) is not None:
         view, producer = producer, _gemm_behind_view(producer)
-    if producer.target == aten.mm.default and not ctx.config.fuse_epilogue and view is None:
+    promoted = cast is not None or legality.promotes(add, legality.val(view if view is not None else producer))
+    if producer.target == aten.mm.default and not ctx.config.fuse_epilogue and view is None and not promoted:
         with add.graph.inserting_before(add):
             new = add.graph.call_function(aten.addmm.default, (other, *producer.args[:2]))
         new.meta = dict(add.meta)
@@ -81,6 +114,10 @@ def _absorb(producer: fx.Node, other: fx.Node, add: fx.Node, ctx) -> str | None:
         g.params = (list(legality.val(view).shape),)
         g.absorb(view, g.tree)
         producer = view
+    if cast is not None:  # ... and in fp32
+        g.absorb(cast, g.tree)
+        producer = cast
+    g.promoted = g.promoted or promoted
     leaf = g.operand(other, "full")
     g.absorb(add, epi.Op("add", (g.tree, leaf) if add.args[0] is producer else (leaf, g.tree)))
     if ctx.config.fuse_epilogue:

@@ -65,6 +65,7 @@ class Group:
     replaced: list  # nodes to erase once the fused op is in place
     provider: str = "aten"
     origin: fx.Node | None = None  # the multi-output op whose output 0 is the group's start (MULTI_OUTPUT)
+    promoted: bool = False  # stores fp32 from fp16/bf16 inputs (a mixed-precision add was absorbed)
 
     @property
     def channel_dim(self) -> int:
@@ -134,8 +135,10 @@ class Group:
         inputs, operands, sig = fused.args[:n_inputs], fused.args[n_inputs], fused.args[n_inputs + 1]
         params, provider = tuple(fused.args[n_inputs + 2:-1]), fused.args[-1]
         origin = fused if fused is not node else None
-        return cls(anchor, tuple(inputs), params, epi.parse(sig), list(operands),
-                   list(fused.meta["resfuse"]["sources"]), node, [], provider, origin)
+        tree = epi.parse(sig)
+        return cls(anchor, tuple(inputs), params, epi.without_cast(tree), list(operands),
+                   list(fused.meta["resfuse"]["sources"]), node, [], provider, origin,
+                   promoted=epi.out_dtype(tree, None) is not None)
 
     def ops(self) -> list[str]:
         return epi.pattern_ops(self.tree)
@@ -143,7 +146,8 @@ class Group:
     def emit(self) -> fx.Node | str:
         """Put the fused op in the graph in place of the group; returns the new node, or why it can't."""
         graph, last = self.out.graph, self.out
-        args = (*self.inputs, list(self.operands), str(self.tree), *self.params, self.provider)
+        tree = epi.Op("float32", (self.tree,)) if self.promoted else self.tree
+        args = (*self.inputs, list(self.operands), str(tree), *self.params, self.provider)
         target = TARGET[self.anchor]
         fake = _fake_call(target, args)
         value = fake[0] if isinstance(fake, tuple) else fake

@@ -118,16 +118,24 @@ def broadcast_kind(operand: fx.Node, out: torch.Tensor, channel_dim: int) -> tup
     return kind, None
 
 
-def same_layout(operand: fx.Node, out: torch.Tensor) -> str | None:
-    """FuseAddToOutput needs the operand to be laid out like the output it initialises."""
+def same_layout(operand: fx.Node, out: torch.Tensor, dtype: torch.dtype | None = None) -> str | None:
+    """FuseAddToOutput needs the operand to be laid out like the output it initialises (`dtype`: the output's
+    dtype when the add promotes it, fp16 + fp32 -> fp32)."""
     v = val(operand)
     if v is None or tuple(v.shape) != tuple(out.shape):
         return f"shape {None if v is None else tuple(v.shape)} differs from output {tuple(out.shape)}"
-    if v.dtype != out.dtype:
-        return f"dtype {v.dtype} differs from output dtype {out.dtype}"
+    if v.dtype != (dtype or out.dtype):
+        return f"dtype {v.dtype} differs from output dtype {dtype or out.dtype}"
     if v.stride() != out.stride():
         return f"strides {v.stride()} differ from output strides {out.stride()}"
     return None
+
+
+def promotes(add: fx.Node, producer_out: torch.Tensor) -> bool:
+    """Is `add` a mixed-precision add whose fp32 result an fp16/bf16 producer can store directly?"""
+    v = val(add)
+    return (v is not None and producer_out is not None and v.dtype == torch.float32
+            and producer_out.dtype in (torch.float16, torch.bfloat16))
 
 
 def first(*reasons) -> str | None:

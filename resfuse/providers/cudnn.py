@@ -36,7 +36,8 @@ def _cudnn():
 
 def _unsupported(tree: epi.Node) -> str | None:
     if isinstance(tree, epi.Op):
-        if tree.name not in UNARY and tree.name not in BINARY and tree.name not in ("bn", "leaky_relu", "clamp"):
+        if tree.name not in UNARY and tree.name not in BINARY and tree.name not in ("bn", "leaky_relu", "clamp",
+                                                                                   "float32"):
             return f"epilogue op {tree.name} has no cuDNN pointwise form here"
         return next((why for why in map(_unsupported, tree.args) if why), None)
     return None
@@ -66,8 +67,9 @@ class Plan:
 
     def __init__(self, call):
         cudnn = _cudnn()
-        io = {torch.float16: cudnn.data_type.HALF, torch.bfloat16: cudnn.data_type.BFLOAT16,
-              torch.float32: cudnn.data_type.FLOAT}[call.out.dtype]
+        types = {torch.float16: cudnn.data_type.HALF, torch.bfloat16: cudnn.data_type.BFLOAT16,
+                 torch.float32: cudnn.data_type.FLOAT}
+        io = types[call.inputs[0].dtype]
         self.handle = cudnn.create_handle()
         g = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
                           compute_data_type=cudnn.data_type.FLOAT, handle=self.handle)
@@ -82,14 +84,12 @@ class Plan:
         self.operands = []
         for slot, t in enumerate(call.operands):
             t4 = _operand4(t, call.out.shape, kinds[slot])
-            dtype = {torch.float16: cudnn.data_type.HALF, torch.bfloat16: cudnn.data_type.BFLOAT16,
-                     torch.float32: cudnn.data_type.FLOAT}[t.dtype]
-            self.operands.append(g.tensor(dim=list(t4.shape), stride=list(t4.stride()), data_type=dtype,
+            self.operands.append(g.tensor(dim=list(t4.shape), stride=list(t4.stride()), data_type=types[t.dtype],
                                           name=f"op{slot}"))
         self.kinds = kinds
         self.scalars, self.host_scalars = {}, {}
         y = self._emit(g, tree, acc)
-        y.set_output(True).set_data_type(io)
+        y.set_output(True).set_data_type(types[call.out.dtype])
         y.set_dim(list(call.out.shape)).set_stride(list(call.out.stride()))
         self.y = y
         g.validate()
@@ -127,6 +127,8 @@ class Plan:
         if node.name == "clamp":
             lo, hi = node.params
             return g.relu(input=args[0], lower_clip=lo, upper_clip=None if hi == float("inf") else hi)
+        if node.name == "float32":  # the output tensor's data type says it
+            return args[0]
         if node.name == "silu":
             return g.swish(input=args[0], swish_beta=1.0)
         return getattr(g, UNARY[node.name])(input=args[0])

@@ -142,7 +142,7 @@ def tune(call: Call, *, bench, level: str, budget_s: float = float("inf"), repor
     """Measure the providers' candidates for `call` and return the winner as a cache entry."""
     reference = _reference(call)
     outcome = select.select(providers.candidates(call, level), reference, bench=bench,
-                            tol=TOLERANCE[call.out.dtype], top_k=2 if level == "fast" else 4, budget_s=budget_s)
+                            tol=TOLERANCE[call.inputs[0].dtype], top_k=2 if level == "fast" else 4, budget_s=budget_s)
     if outcome.winner is None:
         report(f"resfuse: tuning {call.op} {call.signature} found no correct candidate: {outcome.discarded}")
         return None

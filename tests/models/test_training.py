@@ -98,3 +98,25 @@ def test_tiny_bert_training_matches_eager(switches):
     assert {f.graph for f in report.fusions} <= {"forward", "backward"}
     if switches["fuse_add_to_output"]:
         assert any(f.graph == "backward" and "add" in f.ops for f in report.fusions)
+
+
+def test_tiny_bert_bf16_autocast_absorbs_the_fp32_residual_adds():
+    """Under autocast the residual adds mix a bf16 GEMM output with an fp32 tensor: the GEMM stores fp32."""
+    torch.manual_seed(0)
+    eager = _bert().train()
+    ours = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(ours)
+    x, y = _bert_batches()[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = _bert_loss(compiled(x), y)
+        ref = _bert_loss(eager(x), y)
+    loss.backward()
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-3, atol=1e-3)
+    for (name, p), q in zip(eager.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-2, atol=1e-3, msg=name)
+    report = compiled.resfuse_report
+    promoted = [f for f in report.fusions if f.ops[-1] == "to_fp32"]
+    assert sum(f.graph == "forward" for f in promoted) == 4  # attention-out and FFN-out, 2 layers
+    assert sum(f.graph == "backward" for f in promoted) >= 4  # data gradients + skip gradients
