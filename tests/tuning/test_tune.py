@@ -132,3 +132,22 @@ def test_no_correct_candidate_runs_unfused_and_is_not_measured_again(tmp_path, m
     n = len(calls)
     assert ch.choose(call) == ch.UNFUSED and len(calls) == n
     assert ch._cache().entries() == []
+
+
+def test_a_reference_that_was_wrong_once_is_measured_again(monkeypatch):
+    """Every candidate missing the reference is retried once from a fresh reference; twice wrong gives None."""
+    real = ch._reference
+    calls = []
+
+    def flaky(call):
+        calls.append(1)
+        ref = real(call)
+        return ref.zero_() if len(calls) == 1 else ref
+
+    monkeypatch.setattr(ch, "_reference", flaky)
+    lines = []
+    entry = ch.tune(conv_call(), bench=bench_favouring("aten"), level="none", report=lines.append)
+    assert entry is not None and entry.provider == "aten" and len(calls) == 2
+    assert "attempt 1" in lines[0]
+    monkeypatch.setattr(ch, "_reference", lambda call: real(call).zero_())
+    assert ch.tune(conv_call(), bench=bench_favouring("aten"), level="none", report=lines.append) is None
