@@ -98,6 +98,16 @@ class Plan:
 _PLANS: dict = {}
 
 
+def _cached_launch(key, build, tensors: tuple, out, operands, signature: str, channel_dim: int):
+    """Launch with the Plan for `key`, built on first sight (None: nothing to compute, e.g. an empty output)."""
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = build()
+    if plan is not None:
+        plan.launch(tensors, out, operands, signature, out.shape, channel_dim)
+    return out
+
+
 def _key(*parts) -> tuple:
     return tuple((p.shape, p.stride(), p.dtype, p.device) if isinstance(p, torch.Tensor) else p for p in parts)
 
@@ -110,12 +120,8 @@ def _operand_strides(signature: str, operands, out_shape, channel_dim: int) -> l
 def gemm(a: torch.Tensor, b: torch.Tensor, operands, signature: str, out: torch.Tensor,
          config: GemmConfig | None = None) -> torch.Tensor:
     key = _key("gemm", signature, config, options()["split_k"], a, b, out, *operands)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = _gemm_plan(a, b, operands, signature, out, config)
-    if plan is not None:
-        plan.launch((a, b), out, operands, signature, out.shape, -1)
-    return out
+    return _cached_launch(key, lambda: _gemm_plan(a, b, operands, signature, out, config), (a, b), out, operands,
+                          signature, -1)
 
 
 def _gemm_plan(a, b, operands, signature, out, config) -> Plan | None:
@@ -147,12 +153,8 @@ def conv2d(x: torch.Tensor, w: torch.Tensor, operands, signature: str, stride, p
            out: torch.Tensor, config: ConvConfig | None = None) -> torch.Tensor:
     key = _key("conv2d", signature, tuple(stride), tuple(padding), tuple(dilation), config, options()["split_k"],
                x, w, out, *operands)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = _conv_plan(x, w, operands, signature, stride, padding, dilation, out, config)
-    if plan is not None:
-        plan.launch((x, w), out, operands, signature, out.shape, 1)
-    return out
+    return _cached_launch(key, lambda: _conv_plan(x, w, operands, signature, stride, padding, dilation, out, config),
+                          (x, w), out, operands, signature, 1)
 
 
 def _conv_plan(x, w, operands, signature, stride, padding, dilation, out, config) -> Plan | None:
@@ -185,12 +187,9 @@ def conv2d_dgrad(grad_out: torch.Tensor, w: torch.Tensor, operands, signature: s
     """
     key = _key("conv2d_dgrad", signature, tuple(stride), tuple(padding), tuple(dilation), config,
                options()["split_k"], grad_out, w, out, *operands)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = _dgrad_plan(grad_out, w, operands, signature, stride, padding, dilation, out, config)
-    if plan is not None:
-        plan.launch((grad_out, w), out, operands, signature, out.shape, 1)
-    return out
+    return _cached_launch(
+        key, lambda: _dgrad_plan(grad_out, w, operands, signature, stride, padding, dilation, out, config),
+        (grad_out, w), out, operands, signature, 1)
 
 
 def _dgrad_plan(grad_out, w, operands, signature, stride, padding, dilation, out, config) -> Plan | None:
