@@ -39,7 +39,7 @@ from .. import epilogue as epi
 from . import codegen
 from .codegen import Family
 from .elementwise import ewise_mainloop
-from .launch import Plan, _key, _operand_strides, _sms
+from .launch import Plan, operand_strides, plan_key, sm_count
 from .tiles import cdiv
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -266,7 +266,7 @@ def _workspace(device: torch.device, numel: int) -> torch.Tensor:
 def batch_norm_train(x: torch.Tensor, weight, bias, running_mean, running_var, operands, signature: str,
                      momentum: float, eps: float, out: torch.Tensor | None = None, config: BnConfig | None = None):
     """Training batch norm + epilogue; see the module docstring for the return conventions."""
-    key = _key("batch_norm", signature, config, x, weight, bias, running_mean, running_var, out, *operands)
+    key = plan_key("batch_norm", signature, config, x, weight, bias, running_mean, running_var, out, *operands)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _plan(x, weight, bias, running_mean, running_var, operands, signature, out, config)
@@ -299,7 +299,7 @@ def _plan(x, weight, bias, running_mean, running_var, operands, signature, out, 
     x3 = epi.rows3(x.contiguous() if copy_x else x, x.shape, 1)
     s, rps, _ = x3.shape
     m = s * rps
-    problem = BnProblem(m, c, rps, x3.stride(2) == 1, _sms(x.device))
+    problem = BnProblem(m, c, rps, x3.stride(2) == 1, sm_count(x.device))
     cfg = config or default_config(problem)
     if not cfg.check(problem):
         raise ValueError(f"illegal batch norm config {cfg}")
@@ -309,7 +309,7 @@ def _plan(x, weight, bias, running_mean, running_var, operands, signature, out, 
     head = [m, c, rps, *x3.stride(), y3.stride(0), y3.stride(1), y3.stride(2)]
     meta = {"BM": cfg.block_p, "BN": cfg.block_c, "SPLIT_K": 1, "num_warps": cfg.num_warps}
     apply = Plan(codegen.load(FAMILY, signature), (tiles, 1, 1), head,
-                 _operand_strides(signature, operands, y.shape, 1), meta, (tiles, 1, cfg.block_p, cfg.block_c))
+                 operand_strides(signature, operands, y.shape, 1), meta, (tiles, 1, cfg.block_p, cfg.block_c))
     finalize_c = min(cfg.block_c, max(1, TILE // cfg.block_r))
     return _BnPlan(m, c, rps, x3.stride(), copy_x, y_format, cfg, tiles_per_split, splits, finalize_c,
                    weight is not None, bias is not None, running_mean is not None, apply)

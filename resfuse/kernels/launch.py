@@ -25,7 +25,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @functools.lru_cache(maxsize=None)
-def _sms(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 1  # the interpreter runs programs one after another; split-K buys nothing there
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -108,18 +108,18 @@ def _cached_launch(key, build, tensors: tuple, out, operands, signature: str, ch
     return out
 
 
-def _key(*parts) -> tuple:
+def plan_key(*parts) -> tuple:
     return tuple((p.shape, p.stride(), p.dtype, p.device) if isinstance(p, torch.Tensor) else p for p in parts)
 
 
-def _operand_strides(signature: str, operands, out_shape, channel_dim: int) -> list:
+def operand_strides(signature: str, operands, out_shape, channel_dim: int) -> list:
     views = epi.operand_views(epi.parse(signature), operands, out_shape, channel_dim)
     return [v.stride() if v.data_ptr() == t.data_ptr() else None for v, t in zip(views, operands)]
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, operands, signature: str, out: torch.Tensor,
          config: GemmConfig | None = None) -> torch.Tensor:
-    key = _key("gemm", signature, config, options()["split_k"], a, b, out, *operands)
+    key = plan_key("gemm", signature, config, options()["split_k"], a, b, out, *operands)
     return _cached_launch(key, lambda: _gemm_plan(a, b, operands, signature, out, config), (a, b), out, operands,
                           signature, -1)
 
@@ -137,7 +137,7 @@ def _gemm_plan(a, b, operands, signature, out, config) -> Plan | None:
     s_ab = a.stride(0) if a.dim() == 3 else 0
     s_bb = b.stride(0) if b.dim() == 3 else 0  # a 2-D B is shared by every batch
     rps, s_ob, s_os, s_om, s_on = _gemm_out_view(out, a.dim() == 3, m, n)
-    cfg = config or gemm_config(GemmProblem(batch, m, n, k, a.element_size(), _sms(a.device)))
+    cfg = config or gemm_config(GemmProblem(batch, m, n, k, a.element_size(), sm_count(a.device)))
     split = _split(cfg.split_k)
     tiles_mn = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     head = [m, n, k, rps, s_ab, a.stride(-2), a.stride(-1), s_bb, b.stride(-2), b.stride(-1), s_ob, s_os, s_om, s_on]
@@ -145,13 +145,13 @@ def _gemm_plan(a, b, operands, signature, out, config) -> Plan | None:
                 EVEN_K=k % cfg.block_k == 0, PRECISION=_precision(a.dtype),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return Plan(codegen.load(GEMM_FAMILY, signature), (tiles_mn, batch, split), head,
-                _operand_strides(signature, operands, out.shape, -1), meta,
+                operand_strides(signature, operands, out.shape, -1), meta,
                 (tiles_mn * batch, split, cfg.block_m, cfg.block_n))
 
 
 def conv2d(x: torch.Tensor, w: torch.Tensor, operands, signature: str, stride, padding, dilation,
            out: torch.Tensor, config: ConvConfig | None = None) -> torch.Tensor:
-    key = _key("conv2d", signature, tuple(stride), tuple(padding), tuple(dilation), config, options()["split_k"],
+    key = plan_key("conv2d", signature, tuple(stride), tuple(padding), tuple(dilation), config, options()["split_k"],
                x, w, out, *operands)
     return _cached_launch(key, lambda: _conv_plan(x, w, operands, signature, stride, padding, dilation, out, config),
                           (x, w), out, operands, signature, 1)
@@ -166,7 +166,7 @@ def _conv_plan(x, w, operands, signature, stride, padding, dilation, out, config
     oh, ow = out.shape[2:]
     if out.numel() == 0:
         return None
-    cfg = config or conv_config(ConvProblem(nb, c, ko, r, s, oh, ow, x.element_size(), _sms(x.device)))
+    cfg = config or conv_config(ConvProblem(nb, c, ko, r, s, oh, ow, x.element_size(), sm_count(x.device)))
     split = _split(cfg.split_k)
     tiles = triton.cdiv(nb * oh * ow, cfg.block_m) * triton.cdiv(ko, cfg.block_n)
     s_on, s_ok, s_oh, s_ow = out.stride()
@@ -175,7 +175,7 @@ def _conv_plan(x, w, operands, signature, stride, padding, dilation, out, config
     meta = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split, FLAT=cfg.flat,
                 PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return Plan(codegen.load(CONV_FAMILY, signature), (tiles, 1, split), head,
-                _operand_strides(signature, operands, out.shape, 1), meta, (tiles, split, cfg.block_m, cfg.block_n))
+                operand_strides(signature, operands, out.shape, 1), meta, (tiles, split, cfg.block_m, cfg.block_n))
 
 
 def conv2d_dgrad(grad_out: torch.Tensor, w: torch.Tensor, operands, signature: str, stride, padding, dilation,
@@ -185,7 +185,7 @@ def conv2d_dgrad(grad_out: torch.Tensor, w: torch.Tensor, operands, signature: s
     grad_out is [N, K, OH, OW], w the forward weight [K, C, R, S], out the preallocated grad_input [N, C, H, W]:
     its H and W (the forward input's) settle what a strided conv's output size leaves open. Any strides.
     """
-    key = _key("conv2d_dgrad", signature, tuple(stride), tuple(padding), tuple(dilation), config,
+    key = plan_key("conv2d_dgrad", signature, tuple(stride), tuple(padding), tuple(dilation), config,
                options()["split_k"], grad_out, w, out, *operands)
     return _cached_launch(
         key, lambda: _dgrad_plan(grad_out, w, operands, signature, stride, padding, dilation, out, config),
@@ -210,7 +210,7 @@ def _dgrad_plan(grad_out, w, operands, signature, stride, padding, dilation, out
     if out.numel() == 0:
         return None
     cfg = config or dgrad_config(DgradProblem(nb, c, ko, r, s, h, wd, stride[0], stride[1], w.element_size(),
-                                              _sms(w.device)))
+                                              sm_count(w.device)))
     split = _split(cfg.split_k)
     phases = stride[0] * stride[1]
     tiles = (triton.cdiv(nb * triton.cdiv(h, stride[0]) * triton.cdiv(wd, stride[1]), cfg.block_m)
@@ -222,13 +222,13 @@ def _dgrad_plan(grad_out, w, operands, signature, stride, padding, dilation, out
     meta = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split,
                 PRECISION=_precision(w.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return Plan(codegen.load(DGRAD_FAMILY, signature), (tiles, phases, split), head,
-                _operand_strides(signature, operands, out.shape, 1), meta,
+                operand_strides(signature, operands, out.shape, 1), meta,
                 (tiles * phases, split, cfg.block_m, cfg.block_n))
 
 
 def epilogue(acc: torch.Tensor, operands, signature: str, out: torch.Tensor, channel_dim: int) -> torch.Tensor:
     """Apply the epilogue to an accumulator already in memory (`acc`, shaped like `out`), in one kernel."""
-    key = _key("ewise", signature, channel_dim, acc, out, *operands)
+    key = plan_key("ewise", signature, channel_dim, acc, out, *operands)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _ewise_plan(acc, operands, signature, out, channel_dim)
@@ -250,4 +250,4 @@ def _ewise_plan(acc, operands, signature, out, channel_dim) -> Plan | None:
     head = [s * p, c, p, *acc3.stride(), out3.stride(0), out3.stride(1), out3.stride(2)]
     meta = dict(BM=cfg.block_m, BN=cfg.block_n, SPLIT_K=1, num_warps=cfg.num_warps)
     return Plan(codegen.load(EWISE_FAMILY, signature), (tiles, 1, 1), head,
-                _operand_strides(signature, operands, out.shape, channel_dim), meta, (tiles, 1, cfg.block_m, cfg.block_n))
+                operand_strides(signature, operands, out.shape, channel_dim), meta, (tiles, 1, cfg.block_m, cfg.block_n))

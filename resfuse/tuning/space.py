@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 
 from ..kernels import conv2d_bwd_data, conv2d_fprop, matmul
-from ..kernels.launch import _sms
+from ..kernels.launch import sm_count
 
 # (block_m, block_n, num_warps, num_stages) tried by "fast", besides the heuristic default
 FAST_TILES = ((128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4), (128, 256, 8, 3), (256, 128, 8, 3),
@@ -27,16 +27,16 @@ def problem(call):
         x, w = call.inputs
         oh, ow = call.out.shape[2:]
         return conv2d_fprop.ConvProblem(x.shape[0], x.shape[1], w.shape[0], w.shape[2], w.shape[3], oh, ow,
-                                        x.element_size(), _sms(dev))
+                                        x.element_size(), sm_count(dev))
     if call.op == "conv2d_dgrad":
         grad_out, w = call.inputs
         stride = call.params[0]
         n, c, h, wd = call.out.shape
         return conv2d_bwd_data.DgradProblem(n, c, w.shape[0], w.shape[2], w.shape[3], h, wd, stride[0], stride[1],
-                                            w.element_size(), _sms(dev))
+                                            w.element_size(), sm_count(dev))
     a, b = call.inputs
     batch = a.shape[0] if a.dim() == 3 else 1
-    return matmul.GemmProblem(batch, a.shape[-2], b.shape[-1], a.shape[-1], a.element_size(), _sms(dev))
+    return matmul.GemmProblem(batch, a.shape[-2], b.shape[-1], a.shape[-1], a.element_size(), sm_count(dev))
 
 
 def configs(call, level: str) -> list:
