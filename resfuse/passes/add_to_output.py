@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from .. import epilogue as epi
 from . import legality
-from .group import Group, fused_op, signature
+from .group import MULTI_OUTPUT, Group, first_output_of, fused_op, signature
 from .match_epilogue import VIEWS, anchor_refusal, grow, is_anchor
 
 aten = torch.ops.aten
@@ -82,10 +82,13 @@ def _layout(other: fx.Node, producer: fx.Node, add: fx.Node) -> str | None:
 
 
 def _promotion_refusal(producer: fx.Node, add: fx.Node) -> str | None:
-    fused = fused_op(producer)
-    anchor = fused.meta["resfuse"]["anchor"] if fused is not None else (
-        "conv2d" if producer.target == aten.convolution.default else
-        "gemm" if producer.target in (aten.mm.default, aten.addmm.default, aten.bmm.default) else "training")
+    fused, origin = fused_op(producer), first_output_of(producer)
+    if fused is not None:
+        anchor = fused.meta["resfuse"]["anchor"]
+    elif origin is not None:
+        anchor = MULTI_OUTPUT[origin.target]
+    else:
+        anchor = "conv2d" if producer.target == aten.convolution.default else "gemm"
     if legality.promotes(add, legality.val(producer)) and anchor not in ("conv2d", "gemm"):
         return f"a mixed-precision add (fp32 result) into a {anchor} output is not supported"
     return None

@@ -145,6 +145,7 @@ def tune(call: Call, *, bench, level: str, budget_s: float = float("inf"), repor
     inside models on the GPU every candidate, the unfused ATen one included, has been seen to miss a
     reference that a later recomputation agreed with (cause not found; BENCHMARKS.md). Twice wrong: None.
     """
+    misses = []
     for attempt in (1, 2):
         reference = _reference(call)
         outcome = select.select(providers.candidates(call, level), reference, bench=bench,
@@ -152,10 +153,14 @@ def tune(call: Call, *, bench, level: str, budget_s: float = float("inf"), repor
                                 budget_s=budget_s)
         if outcome.winner is not None:
             break
-        report(f"resfuse: tuning {call.op} {call.signature} found no correct candidate (attempt {attempt}): "
-               f"{outcome.discarded}")
+        misses.append(f"attempt {attempt}: {outcome.discarded}")
     if outcome.winner is None:
+        report(f"resfuse: tuning {call.op} {_shape(call)} {call.signature} found no correct candidate, runs "
+               f"unfused; " + "; ".join(misses))
         return None
+    if misses:
+        print(f"resfuse: {call.op} {_shape(call)} {call.signature}: every candidate missed a first reference, "
+              f"then matched a fresh one ({misses[0][:300]})")
     best = outcome.times[outcome.winner.name]
     vs_aten = outcome.times.get("aten", float("nan")) / best
     report(f"resfuse: tuned {call.op} {_shape(call)} {call.signature}: {outcome.winner.name} {best * 1e6:.1f} us, "

@@ -61,3 +61,23 @@ def test_gemm_absorbs_its_fp32_copy_and_the_add_after_it():
     assert f.ops == ["add", "to_fp32"] and "_to_copy" in f.sources[1]
     ref = (g.double() @ w.double()).bfloat16().double() + other.double()  # eager rounds the mm to bf16 first
     assert gm(g, w, other).dtype == torch.float32 and rel(gm(g, w, other), ref) < 1e-3
+
+
+def bn_train_residual(x, w, b, rm, rv, r):
+    y = torch.ops.aten._native_batch_norm_legit_functional(x, w, b, rm, rv, True, 0.1, 1e-5)[0]
+    return y + r  # bf16 + fp32 -> fp32
+
+
+def test_training_batch_norm_refuses_a_promoting_add_and_says_why():
+    from resfuse.config import Config
+    from resfuse.passes import PassContext, run_passes
+    from resfuse.passes.report import Report
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x = torch.randn(2, 3, 4, 4).bfloat16()
+    p = [torch.rand(3) + 0.5 for _ in range(4)]
+    gm = make_fx(bn_train_residual, tracing_mode="fake")(x, *p, torch.randn(2, 3, 4, 4))
+    report = Report()
+    run_passes(gm, PassContext(Config(providers=("aten",)), "forward", report))
+    assert report.fusions == []
+    assert any("mixed-precision add" in r.reason and "batch_norm" in r.reason for r in report.rejected)
