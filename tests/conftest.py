@@ -10,6 +10,13 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# CI draws the same examples every run (Hypothesis's advice for CI: a red build must mean a change broke
+# something); HYPOTHESIS_PROFILE=explore draws fresh ones, with RESFUSE_EXAMPLES for more where a test reads it.
+settings.register_profile("ci", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(autouse=True)
