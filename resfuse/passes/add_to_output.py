@@ -2,10 +2,13 @@
 
 Entry point: `add_to_output(gm, ctx)`, the second pass. Producers that can accumulate into their output: our
 fused conv/GEMM ops (the add joins the epilogue, the operand is read once in place of three passes over the
-tensor: 3N bytes unfused, N fused), bare conv/mm/bmm anchors, and, with epilogue fusion off, mm as
-addmm(beta=1). The rules (legality.py): the add is the producer's sole consumer, the producer has not
-already absorbed an add, the other operand does not depend on the producer, has the output's shape, dtype
-and strides, does not alias the producer's inputs, and nothing involved is mutated.
+tensor: 3N bytes unfused, N fused), bare conv/mm/bmm anchors, training batch norm (forward) and the conv
+data gradient (backward), and, with epilogue fusion off, mm as addmm(beta=1). A GEMM is also reached through
+a linear layer's view and through autocast's fp32 copy of its output (the op then stores fp32). The rules
+(legality.py): the add is the producer's sole consumer, the producer has not already absorbed an add, the
+other operand does not depend on the producer, has the output's shape, dtype (or the fp32 an add promotes
+to) and strides, does not alias the producer's inputs, and nothing involved is mutated. Forward graphs try
+the deeper producer first, backward graphs the later one (see add_to_output).
 """
 from __future__ import annotations
 
