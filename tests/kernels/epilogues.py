@@ -1,6 +1,6 @@
 """Test helpers: random epilogue trees (hypothesis), operand tensors for them, and float64 references.
 
-Entry points: `forced_split(n)` (a context manager), `trees()` (a strategy of (tree, slot roles)), `make_operand(role, kind, out_shape, channel_dim)`,
+Entry points: `forced_split(n)` (a context manager), `trees()` (a strategy of (tree, slot roles)), `make_operand(role, kind, out_shape, channel_dim)`, `with_layout(t, how)`,
 `reference(acc64, tree, operands, channel_dim)` and `assert_close(out, ref, dtype)`.
 """
 from __future__ import annotations
@@ -99,6 +99,18 @@ def make_operand(role: str, kind: str, out_shape, channel_dim: int, dtype, layou
         return base.permute([perm.index(i) for i in range(ndim)])
     big = _values([s * 2 if i == ndim - 1 else s for i, s in enumerate(out_shape)], role, dtype)
     return big[..., ::2]
+
+
+def with_layout(t: torch.Tensor, how: str) -> torch.Tensor:
+    """`t` as "contiguous", "channels_last" (channels innermost, any rank) or "strided" (a slice of a larger
+    tensor along the last dim, so every dim is strided)."""
+    if how == "channels_last":
+        if t.dim() == 4:
+            return t.contiguous(memory_format=torch.channels_last)
+        return t.movedim(1, -1).contiguous().movedim(-1, 1)
+    if how == "strided":
+        return torch.cat([t, t], dim=-1)[..., ::2]
+    return t.contiguous()
 
 
 def reference(acc64: torch.Tensor, tree, operands, channel_dim: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ from resfuse import kernels
 from resfuse.kernels import batch_norm
 from resfuse.kernels.batch_norm import BnConfig
 
-from .epilogues import assert_close, make_operand, reference, trees
+from .epilogues import assert_close, make_operand, reference, trees, with_layout
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ATEN = torch.ops.aten._native_batch_norm_legit_functional
@@ -19,17 +19,10 @@ ATEN = torch.ops.aten._native_batch_norm_legit_functional
 CONFIGS = [None, BnConfig(4, 2, 3, 2), BnConfig(16, 4, 2, 1), BnConfig(2, 8, 5, 4), BnConfig(8, 16, 4, 4)]
 
 
-def _layout(t, how):
-    if how == "channels_last":  # channels innermost, for any rank
-        return t.movedim(1, -1).contiguous().movedim(-1, 1)
-    if how == "strided":  # a slice of a larger tensor along the last dim
-        return torch.cat([t, t], dim=-1)[..., ::2]
-    return t.contiguous()
-
 
 def _inputs(shape, dtype, layout, affine=True, running=True, param_dtype=torch.float32, mean=0.0):
     c = shape[1]
-    x = _layout((torch.randn(shape) * 2 + mean).to(dtype), layout)
+    x = with_layout((torch.randn(shape) * 2 + mean).to(dtype), layout)
     w = (torch.rand(c) + 0.5).to(param_dtype) if affine else None
     b = torch.randn(c).to(param_dtype) if affine else None
     rm = torch.randn(c).to(param_dtype) if running else None

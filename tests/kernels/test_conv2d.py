@@ -8,7 +8,7 @@ from resfuse import epilogue as epi
 from resfuse.kernels import launch
 from resfuse.ops.fused import conv_out_shape
 
-from .epilogues import assert_close, forced_split, make_operand, reference, trees
+from .epilogues import assert_close, forced_split, make_operand, reference, trees, with_layout
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -18,13 +18,6 @@ def run_conv(x, w, tree, operands, stride, padding, dilation, out_layout=torch.c
     out = torch.full(shape, float("nan"), dtype=x.dtype).contiguous(memory_format=out_layout)
     return launch.conv2d(x, w, operands, str(tree), list(stride), list(padding), list(dilation), out)
 
-
-def _layout(t, how):
-    if how == "channels_last":
-        return t.contiguous(memory_format=torch.channels_last)
-    if how == "strided":  # every dim strided: a slice of a larger tensor
-        return torch.cat([t, t], dim=3)[..., ::2]
-    return t.contiguous()
 
 
 @settings(max_examples=60, deadline=None)
@@ -37,8 +30,8 @@ def test_conv2d_epilogues(data, dtype, n, c, k, hw, rs, stride, padding, dilatio
     h, w_ = hw
     assume(min(h, w_) + 2 * padding - dilation * (rs - 1) - 1 >= 0)  # at least one output pixel
     tree, roles = data.draw(trees())
-    x = _layout(torch.randn(n, c, h, w_).to(dtype), x_layout)
-    w = _layout((torch.randn(k, c, rs, rs) / (c * rs * rs) ** 0.5).to(dtype), w_layout)
+    x = with_layout(torch.randn(n, c, h, w_).to(dtype), x_layout)
+    w = with_layout((torch.randn(k, c, rs, rs) / (c * rs * rs) ** 0.5).to(dtype), w_layout)
     out_shape = conv_out_shape(x, w, (stride,) * 2, (padding,) * 2, (dilation,) * 2)
     layouts = data.draw(st.lists(st.integers(0, 2), min_size=len(roles), max_size=len(roles)))
     operands = [make_operand(role, kind, out_shape, 1, dtype, lay) for (kind, role), lay in zip(roles, layouts)]

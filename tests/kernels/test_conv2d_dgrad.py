@@ -7,7 +7,7 @@ from hypothesis import assume, given, settings, strategies as st
 from resfuse import epilogue as epi
 from resfuse.kernels import conv2d_bwd_data, launch
 
-from .epilogues import assert_close, forced_split, make_operand, reference, trees
+from .epilogues import assert_close, forced_split, make_operand, reference, trees, with_layout
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 RESNET = "threshold_bwd[#0.0](add(acc,full0),full1)"  # relu_backward(dgrad + grad_shortcut, relu_out)
@@ -28,18 +28,11 @@ def run_dgrad(grad_out, w, signature, operands, in_shape, stride, padding, dilat
     return launch.conv2d_dgrad(grad_out, w, operands, str(signature), list(stride), list(padding), list(dilation), out)
 
 
-def _layout(t, how):
-    if how == "channels_last":
-        return t.contiguous(memory_format=torch.channels_last)
-    if how == "strided":  # every dim strided: a slice of a larger tensor
-        return torch.cat([t, t], dim=3)[..., ::2]
-    return t.contiguous()
-
 
 def _problem(n, c, k, hw, rs, stride, padding, dilation, dtype, go_layout="contiguous", w_layout="contiguous"):
     oh, ow = (out_size(*a) for a in zip(hw, rs, stride, padding, dilation))
-    grad_out = _layout(torch.randn(n, k, oh, ow).to(dtype), go_layout)
-    w = _layout((torch.randn(k, c, *rs) / (k * rs[0] * rs[1]) ** 0.5).to(dtype), w_layout)
+    grad_out = with_layout(torch.randn(n, k, oh, ow).to(dtype), go_layout)
+    w = with_layout((torch.randn(k, c, *rs) / (k * rs[0] * rs[1]) ** 0.5).to(dtype), w_layout)
     return grad_out, w, (n, c, *hw)
 
 
