@@ -36,7 +36,7 @@ import triton.language as tl
 
 from .codegen import Family
 from .matmul import GemmConfig, split_k_heuristic
-from .tiles import cdiv, k_range, mma, swizzle_tile
+from .tiles import cdiv, k_range, mma, tile_offsets
 
 
 @triton.jit
@@ -67,14 +67,7 @@ def conv2d_dgrad_mainloop(g, w, NB, H, W, C, KO, OH, OW, R, S,
     HQ = cdiv(H, stride_h)
     WQ = cdiv(W, stride_w)
     MQ = NB * HQ * WQ
-    tiles_m = cdiv(MQ, BM)
-    tiles_n = cdiv(C, BN)
-    tile_m, tile_n = swizzle_tile(pid, tiles_m, tiles_n, GROUP_M)
-    offs_m = tile_m * BM + tl.arange(0, BM)
-    offs_n = tile_n * BN + tl.arange(0, BN)
-    # Edge rows/channels wrap onto valid ones so their loads stay in bounds; they are masked at the store.
-    rows = offs_m % MQ
-    cols = offs_n % C
+    offs_m, offs_n, rows, cols = tile_offsets(pid, MQ, C, BM, BN, GROUP_M)
     n_i = rows // (HQ * WQ)
     q = rows % (HQ * WQ)
     hq = q // WQ
@@ -105,7 +98,7 @@ def conv2d_dgrad_mainloop(g, w, NB, H, W, C, KO, OH, OW, R, S,
     wi = wq * stride_w + pw
     row_ok = (offs_m < MQ) & (h < H) & (wi < W)
     out_rows = n_i * s_on + h * s_oh + wi * s_ow
-    tile = phase * (tiles_m * tiles_n) + pid
+    tile = phase * (cdiv(MQ, BM) * cdiv(C, BN)) + pid
     return acc, tile, pid_k, n_i, h * W + wi, row_ok, out_rows, offs_n
 
 

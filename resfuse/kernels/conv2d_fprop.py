@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .codegen import Family
 from .matmul import split_k_heuristic, tiles_fit
-from .tiles import cdiv, k_range, mma, swizzle_tile
+from .tiles import cdiv, k_range, mma, tile_offsets
 
 
 @triton.jit
@@ -32,12 +32,7 @@ def conv2d_fprop_mainloop(x, w, NB, H, W, C, KO, OH, OW, R, S,
     pid = tl.program_id(0)
     pid_k = tl.program_id(2)
     M = NB * OH * OW
-    tile_m, tile_n = swizzle_tile(pid, cdiv(M, BM), cdiv(KO, BN), GROUP_M)
-    offs_m = tile_m * BM + tl.arange(0, BM)
-    offs_n = tile_n * BN + tl.arange(0, BN)
-    # Edge rows/filters wrap onto valid ones so their loads stay in bounds; they are masked at the store.
-    rows = offs_m % M
-    cols = offs_n % KO
+    offs_m, offs_n, rows, cols = tile_offsets(pid, M, KO, BM, BN, GROUP_M)
     n_i = rows // (OH * OW)
     p_i = rows % (OH * OW)
     oh = p_i // OW

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .codegen import Family
-from .tiles import cdiv, k_range, mma, swizzle_tile
+from .tiles import cdiv, k_range, mma, tile_offsets
 
 
 @triton.jit
@@ -31,16 +31,7 @@ def gemm_mainloop(a, b, M, N, K, RPS, s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_ob, 
     pid = tl.program_id(0)
     batch = tl.program_id(1)
     pid_k = tl.program_id(2)
-    tiles_m = cdiv(M, BM)
-    tiles_n = cdiv(N, BN)
-    tile_m, tile_n = swizzle_tile(pid, tiles_m, tiles_n, GROUP_M)
-    offs_m = tile_m * BM + tl.arange(0, BM)
-    offs_n = tile_n * BN + tl.arange(0, BN)
-    # Rows and columns past the edge wrap onto valid ones, so the A/B loads need no M/N mask; their results
-    # are masked at the store.
-    # (No contiguity hints on the wrapped indices: a wrap inside a vector would read past the edge.)
-    rows = offs_m % M
-    cols = offs_n % N
+    offs_m, offs_n, rows, cols = tile_offsets(pid, M, N, BM, BN, GROUP_M)
     offs_k = tl.arange(0, BK)
     lo, hi = k_range(pid_k, cdiv(K, BK), SPLIT_K)
     a_ptrs = a + batch * s_ab + rows[:, None] * s_am + (lo * BK + offs_k)[None, :] * s_ak
@@ -57,7 +48,7 @@ def gemm_mainloop(a, b, M, N, K, RPS, s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_ob, 
         acc = mma(a_t, b_t, acc, PRECISION)
         a_ptrs += BK * s_ak
         b_ptrs += BK * s_bk
-    tile = batch * tiles_m * tiles_n + pid
+    tile = batch * cdiv(M, BM) * cdiv(N, BN) + pid
     sample = offs_m // RPS
     p_idx = offs_m % RPS
     s_idx = batch * (M // RPS) + sample
