@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from resfuse.ops.fused import Output  # noqa: E402
 from resfuse.providers import aten, cudnn, epilogue  # noqa: E402
 from resfuse.tuning import choose  # noqa: E402
 
@@ -41,7 +42,7 @@ def make_call(batch, c, k, r, stride, pad, h, sig):
     vecs = [torch.randn(k, device=dev, dtype=dt), torch.rand(k, device=dev, dtype=dt) + 0.5,
             torch.randn(k, device=dev, dtype=dt), torch.randn(k, device=dev, dtype=dt)]
     ops = vecs + ([torch.randn(batch, k, oh, oh, device=dev, dtype=dt).to(memory_format=cl)] if "add" in sig else [])
-    out = torch.empty(batch, k, oh, oh, device=dev, dtype=dt, memory_format=cl)
+    out = Output.of([batch, k, oh, oh], dt, x.device, cl)
     return choose.Call("conv2d", (x, w), ops, sig, ([stride, stride], [pad, pad], [1, 1]), out)
 
 

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import resfuse  # noqa: E402,F401  (registers the ops)
 from resfuse import kernels  # noqa: E402
+from resfuse.ops.fused import Output  # noqa: E402
 from resfuse.ops.training import batch_norm_impl, conv2d_dgrad_impl  # noqa: E402
 from resfuse.tuning import choose  # noqa: E402
 
@@ -44,8 +45,9 @@ def main():
     wt = torch.randn(64, 64, 1, 1, device=dev, dtype=torch.float16).to(memory_format=cl)
     relu_out = torch.randn_like(x).relu()
     sig_bn, sig_dg = "relu(add(acc,full0))", "threshold_bwd[#0.0](add(full0,acc),full1)"
+    grad_in = torch.empty_like(x)
     call = choose.Call("conv2d_dgrad", (g, wt), [res, relu_out], sig_dg, ([1, 1], [0, 0], [1, 1]),
-                       torch.empty_like(x))
+                       Output.like(grad_in))
     choose.configure("fast", str(Path.home() / ".cache" / "resfuse"), 60.0)
     rows = {
         "aten bn + add + relu": lambda: torch.relu(
@@ -64,8 +66,8 @@ def main():
         "batch_norm_impl (what the lowered graph calls)": lambda: batch_norm_impl(
             x, w, b, rm, rv, [res], sig_bn, 0.1, 1e-5, "triton"),
         "kernels.conv2d_dgrad (triton, no dispatch)": lambda: kernels.conv2d_dgrad(
-            g, wt, [res, relu_out], sig_dg, [1, 1], [0, 0], [1, 1], call.out),
-        "kernels.epilogue alone (1 launch)": lambda: kernels.epilogue(x, [res, relu_out], sig_dg, call.out, 1),
+            g, wt, [res, relu_out], sig_dg, [1, 1], [0, 0], [1, 1], grad_in),
+        "kernels.epilogue alone (1 launch)": lambda: kernels.epilogue(x, [res, relu_out], sig_dg, grad_in, 1),
         "choose() lookup": lambda: choose.choose(call),
         "aten add (1 launch)": lambda: x + res,
     }

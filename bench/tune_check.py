@@ -13,6 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from resfuse.ops.fused import Output  # noqa: E402
 from resfuse.tuning import choose, select  # noqa: E402
 
 
@@ -20,7 +21,7 @@ def call_ffn1():
     a = torch.randn(12288, 768, device="cuda", dtype=torch.float16)
     w = torch.randn(3072, 768, device="cuda", dtype=torch.float16) * 0.02
     bias = torch.zeros(3072, device="cuda", dtype=torch.float16)
-    out = torch.empty(12288, 3072, device="cuda", dtype=torch.float16)
+    out = Output.of([12288, 3072], torch.float16, a.device)
     return choose.Call("gemm", (a, w.t()), [bias], "gelu(add(acc,c0))", ([12288, 3072],), out)
 
 
@@ -29,7 +30,7 @@ def call_ffn2():
     w = torch.randn(768, 3072, device="cuda", dtype=torch.float16) * 0.02
     bias = torch.zeros(768, device="cuda", dtype=torch.float16)
     res = torch.randn(32, 384, 768, device="cuda", dtype=torch.float16)
-    out = torch.empty(32, 384, 768, device="cuda", dtype=torch.float16)
+    out = Output.of([32, 384, 768], torch.float16, a.device)
     return choose.Call("gemm", (a, w.t()), [bias, res], "add(add(acc,c0),full1)", ([32, 384, 768],), out)
 
 

@@ -5,6 +5,7 @@ numerics against the unfused reference and times them there."""
 import torch
 
 from resfuse import epilogue as epi
+from resfuse.ops.fused import Output
 from resfuse.providers import candidates, cudnn
 from resfuse.tuning.choose import Call
 
@@ -12,11 +13,12 @@ from resfuse.tuning.choose import Call
 def _conv_call(sig="relu(add(acc,c0))", device="cpu"):
     x, w = torch.randn(1, 4, 5, 5, device=device), torch.randn(6, 4, 3, 3, device=device)
     return Call("conv2d", (x, w), [torch.randn(6, device=device)], sig, ([1, 1], [1, 1], [1, 1]),
-                torch.empty(1, 6, 5, 5, device=device))
+                Output.of([1, 6, 5, 5], torch.float32, torch.device(device)))
 
 
 def test_refusals_say_why():
-    gemm = Call("gemm", (torch.randn(3, 4), torch.randn(4, 5)), [], "relu(acc)", ([3, 5],), torch.empty(3, 5))
+    gemm = Call("gemm", (torch.randn(3, 4), torch.randn(4, 5)), [], "relu(acc)", ([3, 5],),
+                Output.of([3, 5], torch.float32, torch.device("cpu")))
     assert "conv2d forward only" in cudnn.refusal(gemm)
     assert "CUDA device" in cudnn.refusal(_conv_call())
     if cudnn._cudnn() is None:

@@ -227,7 +227,9 @@ def _dgrad_plan(grad_out, w, operands, signature, stride, padding, dilation, out
 
 
 def epilogue(acc: torch.Tensor, operands, signature: str, out: torch.Tensor, channel_dim: int) -> torch.Tensor:
-    """Apply the epilogue to an accumulator already in memory (`acc`, shaped like `out`), in one kernel."""
+    """Apply the epilogue to an accumulator already in memory (`acc`, shaped like `out`), in one kernel.
+
+    `out` may be `acc` itself (in place) when their strides agree: each program loads its tile, then stores it."""
     key = plan_key("ewise", signature, channel_dim, acc, out, *operands)
     plan = _PLANS.get(key)
     if plan is None:

@@ -9,10 +9,15 @@ Paths, recorded in PATHS so that the report can say which one ran:
   "triton"     our Triton kernel (CUDA, or CPU under the interpreter when kernels.interpret is on);
   "epilogue"   cuDNN/cuBLAS, then the epilogue in one Triton kernel (chosen by the tuner);
   "aten"       the same ATen computation as "reference", chosen by the tuner because it measured faster.
+
+The output is described (`Output`) before it is allocated: every path but "epilogue" allocates it, while
+"epilogue" returns cuDNN's/cuBLAS's accumulator itself, written in place, when it already is the output's dtype,
+shape and strides, so that two activation-sized buffers are never alive at once (providers/epilogue.py).
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Sequence
 
 import torch
@@ -22,11 +27,53 @@ from .. import epilogue as epi
 PATHS: collections.Counter = collections.Counter()  # (op, signature, path) -> calls
 
 
+def dense_strides(shape, memory_format=torch.contiguous_format) -> tuple[int, ...]:
+    """torch.empty(shape, memory_format=...).stride() without allocating (ATen's formulas, zero sizes included)."""
+    if memory_format == torch.channels_last:
+        _, c, h, w = shape
+        return (h * w * c, 1, w * c, c)
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.insert(0, step)
+        step *= max(size, 1)
+    return tuple(strides)
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """The tensor a fused op returns, described but not yet allocated (the tuner's Call carries it)."""
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, shape, dtype, device, memory_format=torch.contiguous_format) -> Output:
+        return cls(tuple(shape), dense_strides(shape, memory_format), dtype, device)
+
+    @classmethod
+    def like(cls, t: torch.Tensor) -> Output:
+        return cls(tuple(t.shape), t.stride(), t.dtype, t.device)
+
+    def empty(self) -> torch.Tensor:
+        return torch.empty_strided(self.shape, self.strides, dtype=self.dtype, device=self.device)
+
+    def fits(self, t: torch.Tensor) -> bool:
+        """Can `t` itself be returned as this output?"""
+        return (t.dtype == self.dtype and t.shape == self.shape and t.stride() == self.strides
+                and t.device == self.device)
+
+
 def conv_out_format(x: torch.Tensor, w: torch.Tensor) -> torch.memory_format:
     """The layout our conv writes; the rewrite pass checks that it is the one ATen chose in the trace."""
     def cl(t):
         return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
     return torch.channels_last if cl(x) or cl(w) else torch.contiguous_format
+
+
+def conv_output(x, w, epilogue: str, stride, padding, dilation) -> Output:
+    return Output.of(conv_out_shape(x, w, stride, padding, dilation), epi.out_dtype(epi.parse(epilogue), x.dtype),
+                     x.device, conv_out_format(x, w))
 
 
 def conv_out_shape(x, w, stride, padding, dilation) -> list[int]:
@@ -63,9 +110,7 @@ def _record(op: str, signature: str, path: str) -> None:
 
 def conv2d_impl(x: torch.Tensor, weight: torch.Tensor, operands: Sequence[torch.Tensor], epilogue: str,
            stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], provider: str) -> torch.Tensor:
-    out = torch.empty(conv_out_shape(x, weight, stride, padding, dilation),
-                      dtype=epi.out_dtype(epi.parse(epilogue), x.dtype), device=x.device,
-                      memory_format=conv_out_format(x, weight))
+    out = conv_output(x, weight, epilogue, stride, padding, dilation)
     if _use_triton(x.device, provider):
         from .. import kernels
         from ..tuning.choose import Call, choose
@@ -76,16 +121,16 @@ def conv2d_impl(x: torch.Tensor, weight: torch.Tensor, operands: Sequence[torch.
         _record("conv2d", epilogue, choice.provider)
         if choice.provider == "triton":
             return kernels.conv2d(x, weight, list(operands), epilogue, list(stride), list(padding), list(dilation),
-                                  out, choice.config)
+                                  out.empty(), choice.config)
         if choice.provider == "epilogue":
             from ..providers import epilogue as two_kernels
-            return two_kernels.run(call, out)
+            return two_kernels.run(call)
         if choice.provider == "cudnn":
             from ..providers import cudnn
-            return cudnn.run(call, out)
+            return cudnn.run(call, out.empty())
     else:
         _record("conv2d", epilogue, "reference")
-    return conv2d_reference(x, weight, operands, epilogue, stride, padding, dilation, out)
+    return conv2d_reference(x, weight, operands, epilogue, stride, padding, dilation, out.empty())
 
 
 conv2d = torch.library.custom_op("resfuse::conv2d", conv2d_impl, mutates_args=())
@@ -99,9 +144,7 @@ def conv2d_reference(x, weight, operands, epilogue, stride, padding, dilation, o
 
 @conv2d.register_fake
 def _(x, weight, operands, epilogue, stride, padding, dilation, provider):
-    return torch.empty(conv_out_shape(x, weight, stride, padding, dilation),
-                       dtype=epi.out_dtype(epi.parse(epilogue), x.dtype), device=x.device,
-                       memory_format=conv_out_format(x, weight))
+    return conv_output(x, weight, epilogue, stride, padding, dilation).empty()
 
 
 def gemm_impl(a: torch.Tensor, b: torch.Tensor, operands: Sequence[torch.Tensor], epilogue: str,
@@ -111,7 +154,7 @@ def gemm_impl(a: torch.Tensor, b: torch.Tensor, operands: Sequence[torch.Tensor]
     out_shape is the product's shape, or a view of it that keeps the last dim (the [M, N] -> [B, S, N] of a
     linear layer): the epilogue's operands then broadcast against out_shape.
     """
-    out = torch.empty(out_shape, dtype=epi.out_dtype(epi.parse(epilogue), a.dtype), device=a.device)
+    out = Output.of(out_shape, epi.out_dtype(epi.parse(epilogue), a.dtype), a.device)
     if _use_triton(a.device, provider):
         from .. import kernels
         from ..tuning.choose import Call, choose
@@ -120,13 +163,13 @@ def gemm_impl(a: torch.Tensor, b: torch.Tensor, operands: Sequence[torch.Tensor]
         choice = choose(call)
         _record("gemm", epilogue, choice.provider)
         if choice.provider == "triton":
-            return kernels.gemm(a, b, list(operands), epilogue, out, choice.config)
+            return kernels.gemm(a, b, list(operands), epilogue, out.empty(), choice.config)
         if choice.provider == "epilogue":
             from ..providers import epilogue as two_kernels
-            return two_kernels.run(call, out)
+            return two_kernels.run(call)
     else:
         _record("gemm", epilogue, "reference")
-    return gemm_reference(a, b, operands, epilogue, out_shape, out)
+    return gemm_reference(a, b, operands, epilogue, out_shape, out.empty())
 
 
 gemm = torch.library.custom_op("resfuse::gemm", gemm_impl, mutates_args=())

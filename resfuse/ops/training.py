@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .fused import _finish, _record, _use_triton, conv_out_format
+from .fused import Output, _finish, _record, _use_triton, conv_out_format
 
 aten = torch.ops.aten
 
@@ -71,9 +71,8 @@ def _(x, weight, bias, running_mean, running_var, operands, epilogue, momentum, 
     return torch.empty_like(out), mean, invstd, rm, rv
 
 
-def dgrad_out(grad_out: torch.Tensor, weight: torch.Tensor, input_shape) -> torch.Tensor:
-    return torch.empty(list(input_shape), dtype=grad_out.dtype, device=grad_out.device,
-                       memory_format=conv_out_format(grad_out, weight))
+def dgrad_out(grad_out: torch.Tensor, weight: torch.Tensor, input_shape) -> Output:
+    return Output.of(input_shape, grad_out.dtype, grad_out.device, conv_out_format(grad_out, weight))
 
 
 def conv2d_dgrad_impl(grad_out: torch.Tensor, weight: torch.Tensor, operands: Sequence[torch.Tensor], epilogue: str,
@@ -90,13 +89,14 @@ def conv2d_dgrad_impl(grad_out: torch.Tensor, weight: torch.Tensor, operands: Se
         _record("conv2d_dgrad", epilogue, choice.provider)
         if choice.provider == "triton":
             return kernels.conv2d_dgrad(grad_out, weight, list(operands), epilogue, list(stride), list(padding),
-                                        list(dilation), out, choice.config)
+                                        list(dilation), out.empty(), choice.config)
         if choice.provider == "epilogue":
             from ..providers import epilogue as two_kernels
-            return two_kernels.run(call, out)
+            return two_kernels.run(call)
     else:
         _record("conv2d_dgrad", epilogue, "reference")
-    return conv2d_dgrad_reference(grad_out, weight, operands, epilogue, input_shape, stride, padding, dilation, out)
+    return conv2d_dgrad_reference(grad_out, weight, operands, epilogue, input_shape, stride, padding, dilation,
+                                  out.empty())
 
 
 conv2d_dgrad = torch.library.custom_op("resfuse::conv2d_dgrad", conv2d_dgrad_impl, mutates_args=())
@@ -118,4 +118,4 @@ def cudnn_dgrad(grad_out, weight, input_shape, stride, padding, dilation) -> tor
 
 @conv2d_dgrad.register_fake
 def _(grad_out, weight, operands, epilogue, input_shape, stride, padding, dilation, provider):
-    return dgrad_out(grad_out, weight, input_shape)
+    return dgrad_out(grad_out, weight, input_shape).empty()

@@ -90,7 +90,7 @@ class Plan:
         self.scalars, self.host_scalars = {}, {}
         y = self._emit(g, tree, acc)
         y.set_output(True).set_data_type(types[call.out.dtype])
-        y.set_dim(list(call.out.shape)).set_stride(list(call.out.stride()))
+        y.set_dim(list(call.out.shape)).set_stride(list(call.out.strides))
         self.y = y
         g.validate()
         g.build_operation_graph()
@@ -172,5 +172,5 @@ def candidates(call, level: str) -> list[Candidate]:
         print(f"resfuse: cudnn provider refused {call.signature} on {tuple(call.out.shape)}: "
               f"{type(e).__name__}: {str(e)[:160]}")
         return []
-    scratch = torch.empty_like(call.out)  # never the live output (OneFlow #9452)
+    scratch = call.out.empty()  # never the live output (OneFlow #9452)
     return [Candidate("cudnn", "cudnn", {}, lambda: plan.run(call, scratch))]

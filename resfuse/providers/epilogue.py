@@ -1,7 +1,8 @@
 """The epilogue provider: cuDNN conv / cuBLAS matmul, then the whole epilogue in one generated Triton kernel.
 
 Two kernels instead of one, but each the fastest of its kind where our fused mainloop is not (the way
-torch.compile fuses). Entry points: `refusal`, `candidates`, and `run` (used by ops/fused.py).
+torch.compile fuses). The epilogue kernel writes into the accumulator itself where it can, so the op's peak
+memory is one output, not two. Entry points: `refusal`, `candidates`, and `run(call)` (used by the ops).
 """
 from __future__ import annotations
 
@@ -15,21 +16,30 @@ def refusal(call) -> str | None:
     return None if kernels.available(call.out.device) else f"no Triton kernels on {call.out.device}"
 
 
-def run(call, out: torch.Tensor) -> torch.Tensor:
+def run(call) -> torch.Tensor:
+    """The epilogue kernel on cuDNN's/cuBLAS's accumulator, in place when the accumulator already has the output's
+    dtype, shape and strides (an fp16 conv in channels_last, an fp16 matmul): no second activation-sized buffer.
+    In place is safe: each program reads its tile, then writes that same tile, and the accumulator is the fresh
+    result of the ATen call here, never an operand or any other live tensor. Otherwise (an fp32 output under a
+    float32 marker, another layout) the output is a new tensor."""
+    acc, channel_dim = _accumulator(call)
+    out = acc if call.out.fits(acc) else call.out.empty()
+    return kernels.epilogue(acc, call.operands, call.signature, out, channel_dim)
+
+
+def _accumulator(call) -> tuple[torch.Tensor, int]:
     if call.op == "conv2d":
         stride, padding, dilation = call.params
-        acc = torch.ops.aten.convolution(*call.inputs, None, stride, padding, dilation, False, [0, 0], 1)
-        return kernels.epilogue(acc, call.operands, call.signature, out, 1)
+        return torch.ops.aten.convolution(*call.inputs, None, stride, padding, dilation, False, [0, 0], 1), 1
     if call.op == "conv2d_dgrad":
         from ..ops.training import cudnn_dgrad
 
-        acc = cudnn_dgrad(*call.inputs, out.shape, *call.params)
-        return kernels.epilogue(acc, call.operands, call.signature, out, 1)
+        return cudnn_dgrad(*call.inputs, call.out.shape, *call.params), 1
     (out_shape,) = call.params
-    acc = torch.matmul(*call.inputs).view(list(out_shape))
-    return kernels.epilogue(acc, call.operands, call.signature, out, -1)
+    return torch.matmul(*call.inputs).view(list(out_shape)), -1
 
 
 def candidates(call, level: str) -> list[Candidate]:
-    scratch = torch.empty_like(call.out)
-    return [Candidate("epilogue", "aten+epilogue", {}, lambda: run(call, scratch))]
+    # measured as the op runs it: each run writes into the accumulator it has just computed (or a new output),
+    # its own scratch, never a live buffer (OneFlow #9452)
+    return [Candidate("epilogue", "aten+epilogue", {}, lambda: run(call))]

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from .. import kernels
 from ..tuning import space
 from ..tuning.select import Candidate
@@ -30,7 +28,7 @@ def _launch(call, signature: str, operands, out, config):
 
 
 def candidates(call, level: str) -> list[Candidate]:
-    scratch, bare = torch.empty_like(call.out), torch.empty_like(call.out)
+    scratch, bare = call.out.empty(), call.out.empty()
     out = []
     for cfg in space.configs(call, level):
         name = "triton:" + ",".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items())

@@ -22,6 +22,7 @@ import torch
 
 from .. import providers
 from ..kernels import codegen, conv2d_bwd_data, conv2d_fprop, matmul
+from ..ops.fused import Output
 from . import select
 from .cache import Entry, Key, TuningCache, environment
 from .progress import PROGRESS
@@ -37,7 +38,7 @@ class Call:
     operands: list
     signature: str
     params: tuple  # conv2d and conv2d_dgrad: (stride, padding, dilation); gemm: (out_shape,)
-    out: torch.Tensor
+    out: Output  # described, not allocated: each provider allocates its own (candidates: scratch, never live data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +75,12 @@ def _cache() -> TuningCache:
 
 
 def key(call: Call) -> Key:
-    tensors = [*call.inputs, *call.operands, call.out]
-    gpu, sms, versions = environment(call.out.device, str(codegen.TEMPLATE_VERSION))
+    tensors, out = [*call.inputs, *call.operands], call.out
+    gpu, sms, versions = environment(out.device, str(codegen.TEMPLATE_VERSION))
     flat = tuple(tuple(x) if isinstance(x, (list, tuple)) else x for x in call.params)
-    return Key(call.op, (*[tuple(t.shape) for t in call.inputs], flat), tuple(str(t.dtype) for t in tensors),
-               tuple(tuple(t.stride()) for t in tensors), call.signature, gpu, sms, versions)
+    return Key(call.op, (*[tuple(t.shape) for t in call.inputs], flat),
+               (*[str(t.dtype) for t in tensors], str(out.dtype)),
+               (*[tuple(t.stride()) for t in tensors], tuple(out.strides)), call.signature, gpu, sms, versions)
 
 
 def _config(op: str, fields: dict):
@@ -120,9 +122,8 @@ def choose(call: Call) -> Choice:
 
 def _fast_key(call: Call) -> tuple:
     """What makes two calls in this process the same problem (the device and versions cannot change)."""
-    tensors = (*call.inputs, *call.operands, call.out)
-    return (call.op, call.signature, str(call.params), call.out.device,
-            *[(t.shape, t.stride(), t.dtype) for t in tensors])
+    return (call.op, call.signature, str(call.params), call.out,
+            *[(t.shape, t.stride(), t.dtype) for t in (*call.inputs, *call.operands)])
 
 
 def _tunable(device: torch.device) -> bool:
@@ -162,9 +163,10 @@ def tune(call: Call, *, bench, level: str, budget_s: float = float("inf"), repor
         print(f"resfuse: {call.op} {_shape(call)} {call.signature}: every candidate missed a first reference, "
               f"then matched a fresh one ({misses[0][:300]})")
     best = outcome.times[outcome.winner.name]
-    vs_aten = outcome.times.get("aten", float("nan")) / best
+    aten = outcome.times.get("aten")
+    vs_aten = f"{aten / best:.2f}x over aten" if aten is not None else "aten not measured"
     report(f"resfuse: tuned {call.op} {_shape(call)} {call.signature}: {outcome.winner.name} {best * 1e6:.1f} us, "
-           f"{vs_aten:.2f}x over aten")
+           f"{vs_aten}")
     top = dict(sorted(outcome.times.items(), key=lambda kv: kv[1])[:5])
     return Entry(outcome.winner.provider, outcome.winner.config, top)
 
@@ -177,5 +179,5 @@ def _reference(call: Call) -> torch.Tensor:
     """The unfused computation in fp32 from upcast inputs: what every candidate is checked against."""
     up = dataclasses.replace(call, inputs=tuple(t.float() for t in call.inputs),
                              operands=[t.float() for t in call.operands],
-                             out=torch.empty_like(call.out, dtype=torch.float32))
-    return providers.aten.run(up, up.out)
+                             out=dataclasses.replace(call.out, dtype=torch.float32))
+    return providers.aten.run(up, up.out.empty())

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from resfuse import kernels
+from resfuse.ops.fused import Output
 from resfuse.tuning import choose as ch
 
 SIG = "relu(add(bn[#1e-05](acc,c0,c1,c2,c3),full4))"
@@ -18,7 +19,8 @@ def conv_call():
     x, w = torch.randn(1, 4, 5, 5), torch.randn(6, 4, 3, 3)
     vecs = [torch.randn(6), torch.rand(6) + 0.5, torch.randn(6), torch.randn(6)]
     r = torch.randn(1, 6, 5, 5)
-    return ch.Call("conv2d", (x, w), [*vecs, r], SIG, ([1, 1], [1, 1], [1, 1]), torch.empty(1, 6, 5, 5))
+    return ch.Call("conv2d", (x, w), [*vecs, r], SIG, ([1, 1], [1, 1], [1, 1]),
+                   Output.of([1, 6, 5, 5], torch.float32, x.device))
 
 
 def bench_favouring(provider):
@@ -34,7 +36,7 @@ def dgrad_call():
     grad_out, w = torch.randn(2, 6, 3, 3), torch.randn(6, 4, 3, 3)
     skip, relu_out = torch.randn(2, 4, 6, 6), torch.randn(2, 4, 6, 6).relu()
     return ch.Call("conv2d_dgrad", (grad_out, w), [skip, relu_out], "threshold_bwd[#0.0](add(acc,full0),full1)",
-                   ([2, 2], [1, 1], [1, 1]), torch.empty(2, 4, 6, 6))
+                   ([2, 2], [1, 1], [1, 1]), Output.of([2, 4, 6, 6], torch.float32, w.device))
 
 
 @pytest.mark.parametrize("make", [conv_call, dgrad_call])
@@ -78,7 +80,7 @@ def test_choose_tunes_once_caches_and_force_retunes(tmp_path, monkeypatch):
     ch._CHOICES.clear()
     assert ch.choose(call).provider == "aten"
     # the chosen config really runs: the op's output equals the unfused math
-    out = kernels.conv2d(*call.inputs, call.operands, SIG, *call.params, torch.full_like(call.out, float("nan")),
+    out = kernels.conv2d(*call.inputs, call.operands, SIG, *call.params, call.out.empty().fill_(float("nan")),
                          first.config)
     x, w = call.inputs
     m, v, g, b, r = call.operands
@@ -123,7 +125,7 @@ def test_every_provider_path_of_the_ops_gives_the_unfused_result(monkeypatch):
 def test_no_correct_candidate_runs_unfused_and_is_not_measured_again(tmp_path, monkeypatch):
     monkeypatch.setattr(ch, "_tunable", lambda device: True)
     monkeypatch.setattr(ch, "_CHOICES", {})
-    monkeypatch.setattr(ch, "_reference", lambda call: torch.zeros_like(call.out) + 1e3)  # nobody matches
+    monkeypatch.setattr(ch, "_reference", lambda call: call.out.empty().fill_(1e3))  # nobody matches
     calls = []
     monkeypatch.setattr(ch, "_bench", lambda fn: calls.append(fn) or 1.0)
     ch.configure("fast", str(tmp_path), budget_s=600)
@@ -152,3 +154,15 @@ def test_a_reference_that_was_wrong_once_is_measured_again(monkeypatch):
     monkeypatch.setattr(ch, "_reference", lambda call: real(call).zero_())
     assert ch.tune(conv_call(), bench=bench_favouring("aten"), level="none", report=lines.append) is None
     assert "attempt 1" in lines[1] and "attempt 2" in lines[1] and len(lines) == 2
+
+
+def test_report_says_when_aten_was_not_measured():
+    def bench(fn):
+        if "providers/aten" in fn.__code__.co_filename.replace("\\", "/"):
+            raise RuntimeError("aten failed to launch")
+        return bench_favouring("triton")(fn)
+
+    lines = []
+    entry = ch.tune(conv_call(), bench=bench, level="none", report=lines.append)
+    assert entry.provider == "triton" and "aten" not in entry.times
+    assert "aten not measured" in lines[0] and "nan" not in lines[0]
