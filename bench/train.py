@@ -1,6 +1,8 @@
-"""Training-step benchmark (issue 6), GPU machine: eager, torch.compile default and resfuse in one run.
+"""Training-step benchmark (issue 6), GPU machine: eager, torch.compile (default and
+reduce-overhead) and resfuse (with and without CUDA graphs) in one run.
 
-Entry point: `python bench/train.py [--jobs resnet50:64,resnet50:256,bert:32] [--iters 20] [--out DIR]`.
+Entry point: `python bench/train.py [--jobs resnet50:64,resnet50:256,bert:32] [--peers eager,compile,...]
+[--iters 20] [--out DIR]`.
 ResNet-50 (torchvision) trains in fp16 autocast, channels_last; BERT-base (HF, seq 128) likewise. Each
 peer starts from the same weights: one step's gradients are compared with eager's (the largest relative
 error over parameters), then the step (forward, loss, backward, SGD) is timed with CUDA events (median)
@@ -63,8 +65,11 @@ def peers():
     return {
         "eager": lambda m: m,
         "compile": lambda m: torch.compile(m),
+        "reduce-overhead": lambda m: torch.compile(m, mode="reduce-overhead"),
         "resfuse": lambda m: resfuse.compile(m),
+        "resfuse+graphs": lambda m: resfuse.compile(m, cuda_graphs=True),
         "resfuse-no-ato": lambda m: resfuse.compile(m, fuse_add_to_output=False),
+        "resfuse+graphs-no-ato": lambda m: resfuse.compile(m, cuda_graphs=True, fuse_add_to_output=False),
     }
 
 
@@ -72,6 +77,7 @@ def step_fn(model, opt, loss_fn, data):
     x, y = data
 
     def step():
+        torch.compiler.cudagraph_mark_step_begin()  # a new iteration for the CUDA-graph peers; no-op elsewhere
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.float16):
             loss = loss_fn(model(x), y)
@@ -83,6 +89,7 @@ def step_fn(model, opt, loss_fn, data):
 
 def grads_of(model, data, loss_fn):
     x, y = data
+    torch.compiler.cudagraph_mark_step_begin()
     model.zero_grad(set_to_none=True)
     with torch.autocast("cuda", dtype=torch.float16):
         loss = loss_fn(model(x), y)

@@ -35,7 +35,8 @@ class Config:
     cache_dir: str = dataclasses.field(default_factory=_default_cache_dir)
     "Where generated kernels and the tuning cache live (env RESFUSE_CACHE_DIR)."
     cuda_graphs: bool = False
-    "Replay the compiled forward through CUDA graphs (small batches are launch-bound)."
+    ("Replay compiled graphs through CUDA graphs: inference, and training's forward and backward (torch's CUDA graph "
+     "trees, as reduce-overhead). Small batches and training steps are launch-bound.")
     debug_dump: str | None = None
     "Folder to write the FX graph after each pass as NN-passname.txt (env RESFUSE_DUMP)."
 

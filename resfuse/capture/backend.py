@@ -12,6 +12,7 @@ import warnings
 
 import torch
 import torch.fx as fx
+from torch.fx.graph import _BoxedCodeGen
 from torch._dynamo.backends.common import aot_autograd
 
 from .. import kernels
@@ -22,7 +23,7 @@ from ..passes.attention_mask import contiguous_attention_masks
 from ..passes.liveness import peak_bytes
 from ..passes.report import Report
 from ..tuning.progress import PROGRESS
-from .cuda_graphs import CudaGraphed
+from .cuda_graphs import CudaGraphed, graph_tree
 
 # Graph kinds the passes rewrite: all of them (aot_autograd's inference graph, or training's forward and backward).
 REWRITTEN = ("inference", "forward", "backward")
@@ -49,8 +50,19 @@ def compile_graph(gm: fx.GraphModule, example_inputs, *, config: Config, graph: 
         return original
     if not run_graph:
         return original
-    gm = track_progress(lower_to_impls(gm))
-    return CudaGraphed(gm) if config.cuda_graphs else gm
+    lowered = boxed(track_progress(lower_to_impls(gm)))
+    if not config.cuda_graphs:
+        return lowered
+    return CudaGraphed(lowered) if graph == "inference" else graph_tree(lowered, example_inputs, graph)
+
+
+def boxed(gm: fx.GraphModule) -> fx.GraphModule:
+    """aot_autograd's boxed calling convention: the graph takes its inputs as one list and empties it, so each
+    input is freed after its last use. In a backward graph the inputs are the activations the forward saved;
+    called unboxed they would all stay alive until the backward ends, raising training's peak memory."""
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+    return gm
 
 
 def track_progress(gm: fx.GraphModule) -> fx.GraphModule:

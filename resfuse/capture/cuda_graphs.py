@@ -1,6 +1,9 @@
-"""CUDA-graph replay of a compiled inference graph (Config.cuda_graphs): small batches are launch-bound.
+"""CUDA-graph replay of compiled graphs (Config.cuda_graphs): small batches and training steps are launch-bound.
 
-Entry point: `CudaGraphed(fn)`, wrapped around the rewritten graph by capture/backend.py.
+Entry points, used by capture/backend.py: `CudaGraphed(fn)` for an inference graph, `graph_tree(gm, inputs,
+graph)` for training's forward and backward graphs.
+
+Inference (CudaGraphed):
 
 Call 1 runs `fn` eagerly (it builds the kernels) and records each input's address. Call 2 captures: an
 input at the same address both times is a parameter or buffer and the graph reads it in place; any other
@@ -11,9 +14,13 @@ parameter that moved, re-captures. CPU inputs run `fn` as it is.
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
 
 class CudaGraphed:
+    """Boxed, like `fn`: called with a list of inputs, which it empties."""
+    _boxed_call = True
+
     def __init__(self, fn):
         self.fn = fn
         self._reset(None)
@@ -34,22 +41,24 @@ class CudaGraphed:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.fn(*self.static)  # warm-up on a side stream, as torch.cuda.graphs advises
+            self.fn(list(self.static))  # warm-up on a side stream, as torch.cuda.graphs advises
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.outputs = self.fn(*self.static)
+            self.outputs = self.fn(list(self.static))
         self.static_ptrs = [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in self.static]
 
-    def __call__(self, *args):
+    def __call__(self, inputs: list):
+        args = tuple(inputs)
+        inputs.clear()
         if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
-            return self.fn(*args)
+            return self.fn(list(args))
         signature = self._signature(args)
         if signature != self.signature:
             self._reset(signature)
         if self.first_ptrs is None:
             self.first_ptrs = [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args]
-            return self.fn(*args)
+            return self.fn(list(args))
         if self.graph is not None and any(
                 i not in self.copied and isinstance(a, torch.Tensor) and a.data_ptr() != self.static_ptrs[i]
                 for i, a in enumerate(args)):
@@ -60,3 +69,28 @@ class CudaGraphed:
             self.static[i].copy_(args[i])
         self.graph.replay()
         return type(self.outputs)(o.clone() if isinstance(o, torch.Tensor) else o for o in self.outputs)
+
+
+def graph_tree(gm: fx.GraphModule, example_inputs, graph: str):  # gm: boxed (takes and empties a list)
+    """Training's forward or backward graph under torch's CUDA graph trees, the machinery of torch.compile's
+    reduce-overhead mode: forward and backward share one memory pool, so the activations the forward saves
+    are read in place by the backward; parameters are static inputs (re-recorded if they move); the first
+    calls run eagerly (warm-up: our fused ops tune there). A graph on CPU tensors runs as it is."""
+    from torch._dynamo.backends.cudagraphs import find_input_mutations, get_stack_traces
+    from torch._inductor.compile_fx import get_static_input_idxs
+    from torch._inductor.cudagraph_trees import cudagraphify_impl
+    from torch._inductor.cudagraph_utils import get_placeholder_info
+    from torch._inductor.utils import count_tangents
+
+    devices = {t.device for t in example_inputs if isinstance(t, torch.Tensor)}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        return gm
+    backward = graph == "backward"
+    fn = cudagraphify_impl(
+        gm, list(example_inputs),
+        list(range(count_tangents(gm))) if backward else get_static_input_idxs(0),
+        device_index=next(iter(devices)).index, is_backward=backward, is_inference=False,
+        stack_traces=get_stack_traces(gm), placeholders=get_placeholder_info(gm.graph),
+        mutated_input_idxs=find_input_mutations(gm.graph))
+    fn._boxed_call = True
+    return fn

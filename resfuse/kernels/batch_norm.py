@@ -235,7 +235,9 @@ class _BnPlan:
             x = x.contiguous()
         f32 = {"dtype": torch.float32, "device": x.device}
         save_mean, save_invstd = torch.empty(self.c, **f32), torch.empty(self.c, **f32)
-        ws = _workspace(x.device, 2 * self.c * (1 + self.splits))
+        # the statistics' scratch comes from the caching allocator per call (stream-ordered reuse): a buffer kept
+        # across calls would be allocated inside a CUDA graph's private pool and outlive it
+        ws = torch.empty(2 * self.c * (1 + self.splits), **f32)
         rm_out = torch.empty_like(running_mean) if self.has_running else None
         rv_out = torch.empty_like(running_var) if self.has_running else None
         cfg = self.cfg
@@ -252,15 +254,6 @@ class _BnPlan:
 
 
 _PLANS: dict = {}
-_WORKSPACE: dict[torch.device, torch.Tensor] = {}
-
-
-def _workspace(device: torch.device, numel: int) -> torch.Tensor:
-    """fp32 scratch shared by every launch on a device (launches on one stream are ordered; see split_k.py)."""
-    ws = _WORKSPACE.get(device)
-    if ws is None or ws.numel() < numel:
-        ws = _WORKSPACE[device] = torch.empty(numel, dtype=torch.float32, device=device)
-    return ws
 
 
 def batch_norm_train(x: torch.Tensor, weight, bias, running_mean, running_var, operands, signature: str,

@@ -83,7 +83,7 @@ class Plan:
         self.operand_strides = operand_strides  # None where the [S, P, C] view is not a view (a copy each call)
 
     def launch(self, tensors: tuple, out, operands, signature: str, out_shape, channel_dim: int):
-        ws, tickets = split_k.buffers(out.device, *self.ws_shape)
+        ws, tickets = split_k.buffers(out, *self.ws_shape)
         op_args = []
         views = None
         for i, (t, strides) in enumerate(zip(operands, self.operand_strides)):

@@ -1,23 +1,21 @@
 """Split-K that is correct for any epilogue: fp32 partials to a workspace, the epilogue once on the full sum.
 
 Entry points: `split_k_reduce` (@triton.jit, called by every generated kernel when SPLIT_K > 1) and
-`buffers(device, tiles, split, bm, bn)` (the per-device workspace and tickets, called by launch.py).
+`buffers(out, tiles, split, bm, bn)` (one launch's workspace and tickets, called by launch.py).
 
 CUTLASS #391 ran the epilogue per partition, which is wrong for a nonlinear activation or a mul. Here every
 split stores its fp32 partial, then takes a ticket for its output tile with an atomic add; the split that
 draws the last ticket sums the partials in fixed order 0..S-1 (so results are bit-identical run to run, and
-do not depend on arrival order), resets the ticket to 0 for the next launch, and alone runs the epilogue.
-The tickets are shared by every launch on a device, which is safe because launches on one stream are
-ordered; kernels on two streams at once would need their own (not supported).
+do not depend on arrival order), and alone runs the epilogue. Workspace and tickets come from the
+caching allocator per launch (freed stream-ordered when it is done), so launches on two streams never share
+them, and nothing allocated inside a CUDA graph's private pool outlives the graph's own tensors (torch's
+CUDA graph trees refuse that).
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-_WORKSPACE: dict[torch.device, torch.Tensor] = {}
-_TICKETS: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
@@ -34,24 +32,13 @@ def split_k_reduce(acc, ws, tickets, tile, pid_k, BM: tl.constexpr, BN: tl.const
     for i in tl.static_range(SPLIT_K):
         # .cg reads through L2, where the other programs' partials are, not a stale L1 line
         total += tl.load(base + i * (BM * BN) + offs, mask=last, other=0.0, cache_modifier=".cg")
-    tl.store(tickets + tile, 0, mask=last)
     return total, last
 
 
-def buffers(device: torch.device, tiles: int, split: int, bm: int, bn: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A workspace of tiles*split*bm*bn fp32 (a 1-element dummy without split-K) and at least `tiles` zeroed
-    tickets (kept per device, grown on demand)."""
-    if split > 1:
-        # from the caching allocator per launch, freed (stream-ordered) when the launch is done: a buffer kept
-        # at the largest size ever asked for (tuning tries split-K on the biggest layers) held GBs for good
-        ws = torch.empty(tiles * split * bm * bn, dtype=torch.float32, device=device)
-    else:
-        ws = _WORKSPACE.get(device)
-        if ws is None:
-            ws = _WORKSPACE[device] = torch.empty(1, dtype=torch.float32, device=device)
-    need_t = max(1, tiles) if split > 1 else 1
-    tickets = _TICKETS.get(device)
-    if tickets is None or tickets.numel() < need_t:
-        # new tickets start at 0; every launch leaves the tickets it used back at 0
-        tickets = _TICKETS[device] = torch.zeros(need_t, dtype=torch.int32, device=device)
-    return ws, tickets
+def buffers(out: torch.Tensor, tiles: int, split: int, bm: int, bn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A workspace of tiles*split*bm*bn fp32 and `tiles` zeroed tickets. Without split-K the kernel reads
+    neither (its SPLIT_K == 1 branch is compiled out), so `out` stands in for both."""
+    if split == 1:
+        return out, out
+    ws = torch.empty(tiles * split * bm * bn, dtype=torch.float32, device=out.device)
+    return ws, torch.zeros(max(1, tiles), dtype=torch.int32, device=out.device)

@@ -53,8 +53,15 @@ def _wrong(out, reference: torch.Tensor, tol: float) -> str | None:
     out64, ref64 = out.double(), reference.double()
     if not torch.isfinite(out64).eq(torch.isfinite(ref64)).all():
         return "non-finite values where the reference has none"
-    err = ((out64 - ref64).nan_to_num().norm() / ref64.nan_to_num().norm().clamp_min(1e-30)).item()
-    return None if err <= tol else f"relative error {err:.2e} > {tol:.0e}"
+    # The error any answer has once stored in the output dtype: large where values are fp16 subnormals, as a
+    # small gradient's are (every candidate, eager's ATen ops included, missed a dgrad by 5.9e-3 that way).
+    rounding = _relerr(reference.to(out.dtype).double(), ref64)
+    err, allowed = _relerr(out64, ref64), tol + 2 * rounding
+    return None if err <= allowed else f"relative error {err:.2e} > {allowed:.1e}"
+
+
+def _relerr(x64: torch.Tensor, ref64: torch.Tensor) -> float:
+    return ((x64 - ref64).nan_to_num().norm() / ref64.nan_to_num().norm().clamp_min(1e-30)).item()
 
 
 def select(candidates: list[Candidate], reference: torch.Tensor, *, bench: Callable[[Callable], float],

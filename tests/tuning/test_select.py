@@ -61,3 +61,18 @@ def test_budget_stops_stage1_but_keeps_a_winner():
     out = select(cands, REF, bench=fake_bench(times), tol=1e-6, budget_s=1.5, clock=lambda: next(ticks))
     assert out.winner is not None
     assert sum("budget" in why for why in out.discarded.values()) >= 2
+
+
+def test_tolerance_allows_for_rounding_into_the_output_dtype():
+    """fp16 gradients are often subnormal, where storing them costs far more than the dtype's usual
+    tolerance: the correctly rounded answer (and one that is a unit off in the last place) must still pass,
+    a 3% error must not."""
+    torch.manual_seed(0)
+    ref = torch.randn(64, 64) * 3e-6  # fp16 subnormals: spacing 6e-8
+    rounded = ref.half()
+    ulp_off = torch.where(torch.rand(64, 64) < 0.3, (rounded.float() + 6e-8).half(), rounded)
+    assert ((rounded.double() - ref.double()).norm() / ref.double().norm()).item() > 5e-3  # beyond the usual tol
+    for good in (rounded, ulp_off):
+        assert select([cand("c", out=good)], ref, bench=lambda fn: 1.0, tol=5e-3).winner is not None
+    bad = cand("bad", out=(ref * 1.03).half())
+    assert "relative error" in select([bad], ref, bench=lambda fn: 1.0, tol=5e-3).discarded["bad"]
