@@ -170,7 +170,7 @@ def run_job(name: str, batch: int, iters: int, profile: bool = False, only=()) -
                 reasons = collections.Counter(f"{r.graph}: {r.reason[:90]}" for r in report.rejected
                                               if "add" in r.op)
                 row["adds_not_fused"] = dict(reasons.most_common(6))
-            if profile and peer.startswith("resfuse"):
+            if profile:
                 row["top_kernels"] = top_kernels(step)
         except Exception as e:  # one peer failing must not hide the others' numbers
             row["error"] = f"{type(e).__name__}: {e}"
@@ -188,7 +188,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--jobs", default="resnet50:64,resnet50:256,bert:32")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--profile", action="store_true", help="top CUDA kernels of resfuse's step")
+    p.add_argument("--profile", action="store_true", help="top CUDA kernels and host ops of each peer's step")
     p.add_argument("--peers", default="", help="comma list of peers to run (default all; eager first for the grads)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()

@@ -108,12 +108,14 @@ def conv2d_dgrad_reference(grad_out, weight, operands, epilogue, input_shape, st
 
 
 def cudnn_dgrad(grad_out, weight, input_shape, stride, padding, dilation) -> torch.Tensor:
-    """ATen's (cuDNN's) data gradient alone. convolution_backward reads `input` only for its shape when the
-    weight gradient is not asked for, so it gets a one-element expand (as torch.nn.grad.conv2d_input does),
-    not an input-sized allocation."""
-    shape_only = grad_out.new_empty(1).expand(list(input_shape))
-    return aten.convolution_backward(grad_out, shape_only, weight, None, list(stride), list(padding),
-                                     list(dilation), False, [0, 0], 1, [True, False, False])[0]
+    """ATen's (cuDNN's) data gradient alone, as the transposed convolution it is. Not convolution_backward
+    with a stand-in input: ATen picks its layout from the input's strides and materialises it, so a
+    one-element expand (torch.nn.grad.conv2d_input's trick) became an input-sized channels_last copy per call
+    (14 ms of a ResNet-50 bs256 training step, and the op's extra 1.29 GB)."""
+    output_padding = [i - ((o - 1) * st - 2 * p + d * (k - 1) + 1) for i, o, st, p, d, k in
+                      zip(input_shape[2:], grad_out.shape[2:], stride, padding, dilation, weight.shape[2:])]
+    return aten.convolution(grad_out, weight, None, list(stride), list(padding), list(dilation), True,
+                            output_padding, 1)
 
 
 @conv2d_dgrad.register_fake

@@ -200,3 +200,25 @@ def test_tap_inverse_finds_every_tap(stride, dil):
             assert taps == list(range(r0, 9, step))
             d0 = (a + (step - r0) * dil) // stride - dil // g
             assert all((ph + pad - r * dil) // stride == d0 - j * (dil // g) for j, r in enumerate(taps))
+
+
+@settings(max_examples=30, deadline=None)
+@given(c=st.integers(1, 6), k=st.integers(1, 6), h=st.integers(1, 12), w=st.integers(1, 12),
+       rs=st.sampled_from([(1, 1), (3, 3), (7, 7), (1, 3)]), stride=st.integers(1, 3), pad=st.integers(0, 3),
+       dil=st.integers(1, 2), channels_last=st.booleans())
+def test_cudnn_dgrad_as_transposed_conv_matches_convolution_backward(c, k, h, w, rs, stride, pad, dil,
+                                                                      channels_last):
+    """The epilogue provider's ATen dgrad is a transposed convolution (output_padding recovers the input size
+    that strided rows dropped); it keeps channels_last, where convolution_backward on a stand-in input
+    copied a whole input-sized tensor."""
+    from resfuse.ops.training import cudnn_dgrad
+
+    assume(all(out_size(n, r, stride, pad, dil) >= 1 for n, r in zip((h, w), rs)))
+    layout = "channels_last" if channels_last else "contiguous"
+    grad_out, wt, in_shape = _problem(2, c, k, (h, w), rs, (stride,) * 2, (pad,) * 2, (dil,) * 2, torch.float64,
+                                      layout, layout)
+    got = cudnn_dgrad(grad_out, wt, in_shape, [stride] * 2, [pad] * 2, [dil] * 2)
+    want = grad_input64(grad_out, wt, in_shape, (stride,) * 2, (pad,) * 2, (dil,) * 2)
+    assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-10, atol=1e-10)
+    if channels_last and c > 1 and h * w > 1:
+        assert got.is_contiguous(memory_format=torch.channels_last)
