@@ -76,3 +76,34 @@ def test_training_steps_under_graph_trees_match_eager():
     for (name, p), q in zip(eager.named_parameters(), mine.parameters()):
         assert rel(q, p) < 1e-3, name
     assert rel(mine.b2.running_var, eager.b2.running_var) < 1e-3
+
+
+def _fake_cuda_graph(fn):
+    """fn traced on two fake CUDA tensors (no GPU needed), with the 'val' metadata aot_autograd's graphs carry."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with FakeTensorMode():
+        return make_fx(fn)(torch.empty(4, device="cuda"), torch.empty(4, device="cuda"))
+
+
+@pytest.mark.parametrize("fn, why", [
+    (lambda x, y: (torch.relu(x) + y,), None),
+    (lambda x, y: (x.add_(y),), "writes in place to input(s) [0]"),
+    (lambda x, y: (x.cpu() + 1,), "cpu device"),
+])
+def test_refusal_names_what_a_replay_cannot_do(fn, why):
+    from resfuse.capture import cuda_graphs
+
+    got = cuda_graphs.refusal(_fake_cuda_graph(fn), "inference")
+    assert (got is None) if why is None else (why in got)
+
+
+def test_a_refused_graph_runs_as_it_is_and_its_backward_follows_its_forward():
+    from resfuse.capture import cuda_graphs
+
+    gm = torch.fx.symbolic_trace(lambda a: (a * 2,))
+    graphed = {}
+    assert cuda_graphs.wrap(gm, [], "inference", "cpu device", graphed) is gm
+    assert cuda_graphs.wrap(gm, [], "forward", "cpu device", graphed) is gm and graphed == {"forward": False}
+    assert cuda_graphs.wrap(gm, [], "backward", None, graphed) is gm  # its forward is not graphed: neither is it

@@ -23,18 +23,19 @@ from ..passes.attention_mask import contiguous_attention_masks
 from ..passes.liveness import peak_bytes
 from ..passes.report import Report
 from ..tuning.progress import PROGRESS
-from .cuda_graphs import CudaGraphed, graph_tree
+from . import cuda_graphs
 
 # Graph kinds the passes rewrite: all of them (aot_autograd's inference graph, or training's forward and backward).
 REWRITTEN = ("inference", "forward", "backward")
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs, *, config: Config, graph: str, report: Report,
-                  run_graph: bool = True):
+                  run_graph: bool = True, graphed: dict | None = None):
     """capture (done by aot_autograd) -> passes -> rewritten graph -> lowered to the ops' Python implementations,
     whose fused ops pick their kernels (tuning on first call) -> optionally CUDA-graphed.
 
-    With run_graph=False (explain) the report is made but the captured ATen graph runs instead.
+    With run_graph=False (explain) the report is made but the captured ATen graph runs instead. `graphed` is
+    shared by one forward and its backward (whether the forward replays as a CUDA graph).
     """
     if graph not in REWRITTEN:
         report.graphs.append(graph)
@@ -50,10 +51,13 @@ def compile_graph(gm: fx.GraphModule, example_inputs, *, config: Config, graph: 
         return original
     if not run_graph:
         return original
+    why_not = cuda_graphs.refusal(gm, graph) if config.cuda_graphs else None  # before lowering: reads op schemas
     lowered = boxed(track_progress(lower_to_impls(gm)))
     if not config.cuda_graphs:
         return lowered
-    return CudaGraphed(lowered) if graph == "inference" else graph_tree(lowered, example_inputs, graph)
+    if why_not:
+        report.notes.append(f"{graph} graph runs without CUDA graphs: {why_not}")
+    return cuda_graphs.wrap(lowered, example_inputs, graph, why_not, graphed if graphed is not None else {})
 
 
 def boxed(gm: fx.GraphModule) -> fx.GraphModule:
@@ -87,14 +91,15 @@ def make_backend(config: Config, report: Report, run_graph: bool = True):
         from ..tuning.choose import configure
 
         configure(config.tuning, config.cache_dir, config.tuning_budget_s, config.retune)
-    step = functools.partial(compile_graph, config=config, report=report, run_graph=run_graph)
-    lower = aot_autograd(fw_compiler=functools.partial(step, graph="forward"),
-                         bw_compiler=functools.partial(step, graph="backward"),
-                         inference_compiler=functools.partial(step, graph="inference"),
-                         keep_inference_input_mutations=True)
 
     def backend(gm: fx.GraphModule, example_inputs):
         gm = contiguous_attention_masks(gm, report)  # before aot_autograd: its trace picks the attention kernel
+        # per dynamo graph, so that a backward knows whether its own forward replays as a CUDA graph
+        step = functools.partial(compile_graph, config=config, report=report, run_graph=run_graph, graphed={})
+        lower = aot_autograd(fw_compiler=functools.partial(step, graph="forward"),
+                             bw_compiler=functools.partial(step, graph="backward"),
+                             inference_compiler=functools.partial(step, graph="inference"),
+                             keep_inference_input_mutations=True)
         return lower(gm, example_inputs)
 
     return backend

@@ -1,7 +1,8 @@
 """CUDA-graph replay of compiled graphs (Config.cuda_graphs): small batches and training steps are launch-bound.
 
-Entry points, used by capture/backend.py: `CudaGraphed(fn)` for an inference graph, `graph_tree(gm, inputs,
-graph)` for training's forward and backward graphs.
+Entry points, used by capture/backend.py: `refusal(gm, graph)` (why a graph cannot be replayed, or None) and
+`wrap(gm, inputs, graph, refusal, graphed)`, which puts an inference graph in `CudaGraphed` and training's
+forward and backward graphs under torch's CUDA graph trees (`graph_tree`).
 
 Inference (CudaGraphed):
 
@@ -71,25 +72,71 @@ class CudaGraphed:
         return type(self.outputs)(o.clone() if isinstance(o, torch.Tensor) else o for o in self.outputs)
 
 
+def refusal(gm: fx.GraphModule, graph: str) -> str | None:
+    """The checks torch's own cudagraphs backend makes: one CUDA device and no CPU tensors, no op that cannot
+    be captured (a host sync such as .item(), an op tagged cudagraph-unsafe), and no in-place write to an
+    input that a replay would see only as its static copy."""
+    from torch._dynamo.backends.cudagraphs import find_input_mutations, get_device_node_mapping
+    from torch._inductor.cudagraph_utils import check_multiple_devices_or_any_cpu_nodes
+    from torch._inductor.utils import get_first_incompatible_cudagraph_node
+
+    if why := check_multiple_devices_or_any_cpu_nodes(get_device_node_mapping(gm)):
+        return why.removeprefix("skipping cudagraphs due to ")
+    if node := get_first_incompatible_cudagraph_node(gm):
+        return f"{node.name} ({node.target}) cannot be captured"
+    if mutated := sorted(find_input_mutations(gm.graph) - set(_static_inputs(gm, graph))):
+        return f"it writes in place to input(s) {mutated}, which a replay would write to a static copy"
+    return None
+
+
+def _static_inputs(gm: fx.GraphModule, graph: str) -> list[int]:
+    """Inputs at fixed addresses: a backward's saved activations (in the graph pool), else the parameters and
+    buffers aot_autograd lifted."""
+    from torch._inductor.compile_fx import get_static_input_idxs
+    from torch._inductor.utils import count_tangents
+
+    return list(range(count_tangents(gm))) if graph == "backward" else list(get_static_input_idxs(0))
+
+
+def wrap(gm: fx.GraphModule, example_inputs, graph: str, why_not: str | None, graphed: dict):
+    """gm (boxed) replayed as a CUDA graph where it can be. A backward goes under the graph trees only with its
+    own forward (`graphed` is shared by the two); a refused backward of a graphed forward runs plainly, telling
+    the tree manager that the backward has begun, as torch's cudagraphs backend does."""
+    if graph == "inference":
+        return gm if why_not else CudaGraphed(gm)
+    if graph == "forward":
+        graphed["forward"] = why_not is None
+        return gm if why_not else graph_tree(gm, example_inputs, graph)
+    if not graphed.get("forward"):
+        return gm
+    if why_not is None:
+        return graph_tree(gm, example_inputs, graph)
+
+    def backward(args: list):
+        from torch._inductor.cudagraph_trees import get_manager
+
+        manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+        if manager is not None:
+            manager.set_to_running_backward()
+        return gm(args)
+
+    backward._boxed_call = True
+    return backward
+
+
 def graph_tree(gm: fx.GraphModule, example_inputs, graph: str):  # gm: boxed (takes and empties a list)
     """Training's forward or backward graph under torch's CUDA graph trees, the machinery of torch.compile's
     reduce-overhead mode: forward and backward share one memory pool, so the activations the forward saves
     are read in place by the backward; parameters are static inputs (re-recorded if they move); the first
-    calls run eagerly (warm-up: our fused ops tune there). A graph on CPU tensors runs as it is."""
+    calls run eagerly (warm-up: our fused ops tune there). Only for graphs `refusal` accepts."""
     from torch._dynamo.backends.cudagraphs import find_input_mutations, get_stack_traces
-    from torch._inductor.compile_fx import get_static_input_idxs
     from torch._inductor.cudagraph_trees import cudagraphify_impl
     from torch._inductor.cudagraph_utils import get_placeholder_info
-    from torch._inductor.utils import count_tangents
 
-    devices = {t.device for t in example_inputs if isinstance(t, torch.Tensor)}
-    if len(devices) != 1 or next(iter(devices)).type != "cuda":
-        return gm
-    backward = graph == "backward"
+    device = next(t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda)
     fn = cudagraphify_impl(
-        gm, list(example_inputs),
-        list(range(count_tangents(gm))) if backward else get_static_input_idxs(0),
-        device_index=next(iter(devices)).index, is_backward=backward, is_inference=False,
+        gm, list(example_inputs), _static_inputs(gm, graph),
+        device_index=device.index, is_backward=graph == "backward", is_inference=False,
         stack_traces=get_stack_traces(gm), placeholders=get_placeholder_info(gm.graph),
         mutated_input_idxs=find_input_mutations(gm.graph))
     fn._boxed_call = True

@@ -68,6 +68,7 @@ class Report:
     graphs: list[str] = dataclasses.field(default_factory=list)
     errors: list[str] = dataclasses.field(default_factory=list)
     rewrites: list[str] = dataclasses.field(default_factory=list)  # graph changes that are not fusions
+    notes: list[str] = dataclasses.field(default_factory=list)  # what ran differently than asked, and why
     peak_bytes: dict = dataclasses.field(default_factory=dict)  # graph -> (static peak before, after the passes)
 
     @property
@@ -116,7 +117,7 @@ class Report:
         for r in self.rejected:
             rej.add_row(r.graph, r.node, r.op, r.reason)
         parts = [fused, rej] + [f"[red]error:[/red] {e}" for e in self.errors]
-        parts += [f"rewrite: {r}" for r in self.rewrites]
+        parts += [f"rewrite: {r}" for r in self.rewrites] + [f"note: {n}" for n in self.notes]
         parts += [f"{g} graph: static peak {a / 1e6:.1f} MB -> {b / 1e6:.1f} MB after the passes"
                   for g, (a, b) in self.peak_bytes.items()]
         total = sum(f.bytes_saved for f in self.fusions)
@@ -134,4 +135,5 @@ class Report:
         fusions = [{k: v for k, v in dataclasses.asdict(f).items() if k != "calls_before"} for f in self.fusions]
         return {"fusions": [{**d, "ran": f.ran} for d, f in zip(fusions, self.fusions)],
                 "rejected": [dataclasses.asdict(r) for r in self.rejected], "graphs": self.graphs,
-                "errors": self.errors, "rewrites": self.rewrites, "peak_bytes": self.peak_bytes}
+                "errors": self.errors, "rewrites": self.rewrites, "notes": self.notes,
+                "peak_bytes": self.peak_bytes}
