@@ -81,7 +81,7 @@ def refusal(gm: fx.GraphModule, graph: str) -> str | None:
     from torch._inductor.utils import get_first_incompatible_cudagraph_node
 
     if why := check_multiple_devices_or_any_cpu_nodes(get_device_node_mapping(gm)):
-        return why.removeprefix("skipping cudagraphs due to ")
+        return why.removeprefix("skipping cudagraphs due to ").split(". Found from")[0].splitlines()[0]
     if node := get_first_incompatible_cudagraph_node(gm):
         return f"{node.name} ({node.target}) cannot be captured"
     if mutated := sorted(find_input_mutations(gm.graph) - set(_static_inputs(gm, graph))):
