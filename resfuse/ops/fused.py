@@ -147,6 +147,19 @@ def _(x, weight, operands, epilogue, stride, padding, dilation, provider):
     return conv_output(x, weight, epilogue, stride, padding, dilation).empty()
 
 
+def with_batch(shape: Sequence[int], leading) -> list:
+    """A shape argument whose leading dim is -1 (dynamic in the graph: passes/legality.shape_param) with that
+    dim filled in from the inputs."""
+    return [leading, *shape[1:]] if shape[0] == -1 else list(shape)
+
+
+def _gemm_out_shape(a: torch.Tensor, b: torch.Tensor, out_shape: Sequence[int]) -> list:
+    rest = 1
+    for d in out_shape[1:]:
+        rest *= d
+    return with_batch(out_shape, a.numel() // a.shape[-1] * b.shape[-1] // rest)
+
+
 def gemm_impl(a: torch.Tensor, b: torch.Tensor, operands: Sequence[torch.Tensor], epilogue: str,
          out_shape: Sequence[int], provider: str) -> torch.Tensor:
     """[M, K] @ [K, N] or [B, M, K] @ [B, K, N], then the epilogue, into a contiguous tensor of out_shape.
@@ -154,6 +167,7 @@ def gemm_impl(a: torch.Tensor, b: torch.Tensor, operands: Sequence[torch.Tensor]
     out_shape is the product's shape, or a view of it that keeps the last dim (the [M, N] -> [B, S, N] of a
     linear layer): the epilogue's operands then broadcast against out_shape.
     """
+    out_shape = _gemm_out_shape(a, b, out_shape)
     out = Output.of(out_shape, epi.out_dtype(epi.parse(epilogue), a.dtype), a.device)
     if _use_triton(a.device, provider):
         from .. import kernels
@@ -183,4 +197,4 @@ def gemm_reference(a, b, operands, epilogue, out_shape, out):
 
 @gemm.register_fake
 def _(a, b, operands, epilogue, out_shape, provider):
-    return a.new_empty(out_shape, dtype=epi.out_dtype(epi.parse(epilogue), a.dtype))
+    return a.new_empty(_gemm_out_shape(a, b, out_shape), dtype=epi.out_dtype(epi.parse(epilogue), a.dtype))

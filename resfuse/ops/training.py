@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .fused import Output, _finish, _record, _use_triton, conv_out_format
+from .fused import Output, _finish, _record, _use_triton, conv_out_format, with_batch
 
 aten = torch.ops.aten
 
@@ -72,7 +72,8 @@ def _(x, weight, bias, running_mean, running_var, operands, epilogue, momentum, 
 
 
 def dgrad_out(grad_out: torch.Tensor, weight: torch.Tensor, input_shape) -> Output:
-    return Output.of(input_shape, grad_out.dtype, grad_out.device, conv_out_format(grad_out, weight))
+    return Output.of(with_batch(input_shape, grad_out.shape[0]), grad_out.dtype, grad_out.device,
+                     conv_out_format(grad_out, weight))
 
 
 def conv2d_dgrad_impl(grad_out: torch.Tensor, weight: torch.Tensor, operands: Sequence[torch.Tensor], epilogue: str,

@@ -35,7 +35,7 @@ def _gemm_behind_view(node) -> fx.Node | None:
     sv, v = legality.val(src), legality.val(node)
     if sv is None or v is None or v.shape[-1] != sv.shape[-1] or not sv.is_contiguous():
         return None
-    return src
+    return None if legality.static_tensor(node) else src  # a view with a dynamic inner dim: not ours to write
 
 
 def _cast_of(node) -> fx.Node | None:
@@ -117,7 +117,7 @@ def _absorb(producer: fx.Node, other: fx.Node, add: fx.Node, ctx) -> str | None:
     else:
         g = Group.from_anchor(producer, ctx.provider_for(producer))
     if view is not None:  # the GEMM writes the [B, S, N] view directly
-        g.params = (list(legality.val(view).shape),)
+        g.params = (legality.shape_param(legality.val(view).shape),)
         g.absorb(view, g.tree)
         producer = view
     if cast is not None:  # ... and in fp32

@@ -99,7 +99,7 @@ class Group:
                        [origin.name], node, [], provider, origin)
         if origin is not None and origin.target == CONV_BACKWARD:
             grad_out, x, w, _bias_sizes, stride, padding, dilation = origin.args[:7]
-            params = (list(legality.val(x).shape), list(stride), list(padding), list(dilation))
+            params = (legality.shape_param(legality.val(x).shape), list(stride), list(padding), list(dilation))
             return cls("conv2d_dgrad", (grad_out, w), params, epi.ACC, [], [origin.name], node, [], provider,
                        origin)
         t = node.target
@@ -112,12 +112,12 @@ class Group:
             return g
         if t in (aten.mm.default, aten.bmm.default):
             a, b = node.args[:2]
-            return cls("gemm", (a, b), (list(legality.val(node).shape),), epi.ACC, [], [node.name], node, [],
+            return cls("gemm", (a, b), (legality.shape_param(legality.val(node).shape),), epi.ACC, [], [node.name], node, [],
                        provider)
         if t == aten.addmm.default:
             bias, a, b = node.args[:3]
             beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
-            g = cls("gemm", (a, b), (list(legality.val(node).shape),), epi.ACC, [], [node.name], node, [], provider)
+            g = cls("gemm", (a, b), (legality.shape_param(legality.val(node).shape),), epi.ACC, [], [node.name], node, [], provider)
             kind, _ = legality.broadcast_kind(bias, legality.val(node), -1)
             acc = epi.ACC if alpha == 1 else epi.Op("mul", (epi.ACC, epi.Const(float(alpha))))
             b_op = g.operand(bias, kind)

@@ -2,7 +2,8 @@
 
 Rules (shared/design.md): single consumer; no path from the producer to the other operand (no cycle); equal
 shape and dtype or a supported broadcast; no aliasing with the producer's inputs; at most one absorbed add
-per producer; no mutation or control dependency; static shapes and a supported dtype.
+per producer; no mutation or control dependency; static shapes but for a dynamic batch dim, and a supported
+dtype.
 """
 from __future__ import annotations
 
@@ -22,9 +23,15 @@ def static_tensor(node: fx.Node) -> str | None:
     v = val(node)
     if v is None:
         return f"{node.name} has no tensor metadata"
-    if any(not isinstance(d, int) for d in (*v.shape, *v.stride())):
-        return f"dynamic shape {tuple(v.shape)}"
+    if any(not isinstance(d, int) for d in (*v.shape[1:], *v.stride())):
+        return f"dynamic shape {tuple(v.shape)}: only the leading (batch) dim may vary"
     return None
+
+
+def shape_param(shape) -> list[int]:
+    """A shape as a fused op's argument: a dynamic leading dim (static_tensor allows no other) becomes -1, which
+    the op resolves from its inputs at run time (ops.fused.with_batch)."""
+    return [d if isinstance(d, int) else -1 for d in shape]
 
 
 def supported_dtype(node: fx.Node) -> str | None:
