@@ -49,7 +49,7 @@ class Key:
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    provider: str  # "triton" | "cudnn" | "aten"
+    provider: str  # "triton" | "epilogue" | "cudnn" | "aten"
     config: dict  # the provider's config (tile sizes, warps, stages, split-K...)
     times: dict  # measured seconds of the top candidates, by candidate name
 

@@ -44,7 +44,7 @@ class Call:
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    provider: str  # "triton" | "aten"
+    provider: str  # "triton" | "epilogue" | "cudnn" | "aten"
     config: object | None  # a kernel config, None for the heuristic default
 
 

@@ -23,7 +23,7 @@ import torch
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    provider: str  # "triton" | "cudnn" | "aten"
+    provider: str  # "triton" | "epilogue" | "cudnn" | "aten"
     name: str
     config: dict
     run: Callable[[], torch.Tensor]  # the fused op on scratch buffers, returns its output
