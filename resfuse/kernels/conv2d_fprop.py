@@ -116,14 +116,16 @@ class ConvConfig:
     flat: bool = False
     num_warps: int = 8
     num_stages: int = 3
+    tma: bool = False  # a 1x1 conv as a GEMM on matmul.gemm_tma_mainloop; only where launch.conv_as_gemm accepts it
 
     def check(self, p: ConvProblem) -> bool:
-        return tiles_fit(self, p.dtype_bytes)
+        return tiles_fit(self, p.dtype_bytes) and not (self.tma and (self.flat or (p.r, p.s) != (1, 1)))
 
 
 SPACE = {  # the tuner (tuning/space.py) enumerates this product and keeps the configs that pass check()
     "block_m": (32, 64, 128, 256), "block_n": (32, 64, 128, 256), "block_k": (16, 32, 64),
     "group_m": (8,), "split_k": (1, 2, 4, 8), "flat": (False, True), "num_warps": (4, 8), "num_stages": (2, 3, 4),
+    "tma": (False, True),
 }
 
 

@@ -8,6 +8,7 @@ Entry points: `conv2d(x, w, operands, signature, stride, padding, dilation, out,
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -19,7 +20,8 @@ from .elementwise import FAMILY as EWISE_FAMILY, default_config as ewise_config
 from .conv2d_bwd_data import FAMILY as DGRAD_FAMILY, DgradConfig, DgradProblem, tap_inverse
 from .conv2d_bwd_data import default_config as dgrad_config
 from .conv2d_fprop import FAMILY as CONV_FAMILY, ConvConfig, ConvProblem, default_config as conv_config
-from .matmul import FAMILY as GEMM_FAMILY, GemmConfig, GemmProblem, default_config as gemm_config
+from .matmul import FAMILY as GEMM_FAMILY, TMA_FAMILY as GEMM_TMA_FAMILY, GemmConfig, GemmProblem
+from .matmul import default_config as gemm_config
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -78,11 +80,15 @@ class Plan:
     per such key (the host time per call was mostly this, ~100 us a fused op): the kernel, the grid, the
     scalar arguments and each operand's [S, P, C] strides. A call only fills in the tensors."""
 
-    def __init__(self, kernel, grid, head: list, operand_strides: list, meta: dict, ws_shape: tuple):
+    def __init__(self, kernel, grid, head: list, operand_strides: list, meta: dict, ws_shape: tuple,
+                 prepare=None):
         self.kernel, self.grid, self.head, self.meta, self.ws_shape = kernel, grid, head, meta, ws_shape
         self.operand_strides = operand_strides  # None where the [S, P, C] view is not a view (a copy each call)
+        self.prepare = prepare  # the inputs -> what the kernel takes for them (TMA descriptors), or None
 
     def launch(self, tensors: tuple, out, operands, signature: str, out_shape, channel_dim: int):
+        if self.prepare is not None:
+            tensors = self.prepare(*tensors)
         ws, tickets = split_k.buffers(out, *self.ws_shape)
         op_args = []
         views = None
@@ -117,8 +123,22 @@ def operand_strides(signature: str, operands, out_shape, channel_dim: int) -> li
     return [v.stride() if v.data_ptr() == t.data_ptr() else None for v, t in zip(views, operands)]
 
 
+def tma_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+    """(the matrix B's descriptor covers, whether it is [K, N]) when the TMA mainloop can read a 2-D A and B,
+    else None. A tensor descriptor needs a row-major matrix whose base and row stride are 16-byte aligned."""
+    def ok(t):
+        return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+    if a.dim() != 2 or b.dim() != 2 or not ok(a):
+        return None
+    if ok(b):
+        return b, True
+    return (b.t(), False) if ok(b.t()) else None
+
+
 def gemm(a: torch.Tensor, b: torch.Tensor, operands, signature: str, out: torch.Tensor,
          config: GemmConfig | None = None) -> torch.Tensor:
+    if config is not None and config.tma and tma_operands(a, b) is None:
+        config = dataclasses.replace(config, tma=False)  # say a sliced, misaligned view: the pointer mainloop
     key = plan_key("gemm", signature, config, options()["split_k"], a, b, out, *operands)
     return _cached_launch(key, lambda: _gemm_plan(a, b, operands, signature, out, config), (a, b), out, operands,
                           signature, -1)
@@ -140,6 +160,8 @@ def _gemm_plan(a, b, operands, signature, out, config) -> Plan | None:
     cfg = config or gemm_config(GemmProblem(batch, m, n, k, a.element_size(), sm_count(a.device)))
     split = _split(cfg.split_k)
     tiles_mn = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    if cfg.tma:
+        return _gemm_tma_plan(a, b, operands, signature, out, cfg, split, tiles_mn, (rps, s_os, s_om, s_on))
     head = [m, n, k, rps, s_ab, a.stride(-2), a.stride(-1), s_bb, b.stride(-2), b.stride(-1), s_ob, s_os, s_om, s_on]
     meta = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split,
                 EVEN_K=k % cfg.block_k == 0, PRECISION=_precision(a.dtype),
@@ -149,8 +171,50 @@ def _gemm_plan(a, b, operands, signature, out, config) -> Plan | None:
                 (tiles_mn * batch, split, cfg.block_m, cfg.block_n))
 
 
+def _gemm_tma_plan(a, b, operands, signature, out, cfg, split, tiles_mn, out_view) -> Plan:
+    return _tma_plan(lambda a, b: (a, b), (a, b), operands, signature, out, -1, cfg, split, tiles_mn, out_view)
+
+
+def _tma_plan(as_matrices, inputs, operands, signature, out, channel_dim, cfg, split, tiles_mn, out_view) -> Plan:
+    """A plan for the TMA mainloop. `as_matrices(*inputs)` gives the product's A [M, K] and B [K, N] (views);
+    each call turns them into tensor descriptors."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    a, b = as_matrices(*inputs)
+    _, b_kn = tma_operands(a, b)
+    (m, k), n = a.shape, b.shape[1]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    b_box = [bk, bn] if b_kn else [bn, bk]
+
+    def descriptors(*inputs):
+        a, b = as_matrices(*inputs)
+        return TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b if b_kn else b.t(), b_box)
+
+    rps, s_os, s_om, s_on = out_view
+    meta = dict(BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, SPLIT_K=split, B_KN=b_kn,
+                PRECISION=_precision(a.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return Plan(codegen.load(GEMM_TMA_FAMILY, signature), (tiles_mn, 1, split), [m, n, k, rps, s_os, s_om, s_on],
+                operand_strides(signature, operands, out.shape, channel_dim), meta, (tiles_mn, split, bm, bn),
+                descriptors)
+
+
+def conv_as_gemm(x: torch.Tensor, w: torch.Tensor, stride, padding):
+    """(x, w) -> (A [N*H*W, C], B [C, K]) views when the conv is a plain GEMM that TMA descriptors can read: a
+    1x1 kernel, stride 1, no padding, a channels_last input; else None. (The output's H and W must merge
+    into rows too: conv2d checks that.)"""
+    n, c, h, wd = x.shape
+    if (w.shape[2:] != (1, 1) or list(stride) != [1, 1] or list(padding) != [0, 0] or w.shape[1] != c
+            or not x.permute(0, 2, 3, 1).is_contiguous()):
+        return None
+    a, b = x.permute(0, 2, 3, 1).reshape(n * h * wd, c), w.reshape(w.shape[0], c).t()
+    return (a, b) if tma_operands(a, b) is not None else None
+
+
 def conv2d(x: torch.Tensor, w: torch.Tensor, operands, signature: str, stride, padding, dilation,
            out: torch.Tensor, config: ConvConfig | None = None) -> torch.Tensor:
+    if config is not None and config.tma and (conv_as_gemm(x, w, stride, padding) is None
+                                              or out.stride(2) != out.shape[3] * out.stride(3)):
+        config = dataclasses.replace(config, tma=False)
     key = plan_key("conv2d", signature, tuple(stride), tuple(padding), tuple(dilation), config, options()["split_k"],
                x, w, out, *operands)
     return _cached_launch(key, lambda: _conv_plan(x, w, operands, signature, stride, padding, dilation, out, config),
@@ -169,6 +233,9 @@ def _conv_plan(x, w, operands, signature, stride, padding, dilation, out, config
     cfg = config or conv_config(ConvProblem(nb, c, ko, r, s, oh, ow, x.element_size(), sm_count(x.device)))
     split = _split(cfg.split_k)
     tiles = triton.cdiv(nb * oh * ow, cfg.block_m) * triton.cdiv(ko, cfg.block_n)
+    if cfg.tma:  # a 1x1 conv as the GEMM it is (conv2d checked conv_as_gemm)
+        return _tma_plan(lambda x, w: conv_as_gemm(x, w, stride, padding), (x, w), operands, signature, out, 1,
+                         cfg, split, tiles, (oh * ow, out.stride(0), out.stride(3), out.stride(1)))
     s_on, s_ok, s_oh, s_ow = out.stride()
     head = [nb, h, wd, c, ko, oh, ow, r, s, *x.stride(), *w.stride(), s_on, s_oh, s_ow, stride[0], stride[1],
             padding[0], padding[1], dilation[0], dilation[1], s_ok]

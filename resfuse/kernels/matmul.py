@@ -2,8 +2,8 @@
 
 (Named matmul.py, not gemm.py: a submodule `kernels.gemm` would replace the entry-point function of that name.)
 
-Entry points: `gemm_mainloop` (@triton.jit, called by the generated kernels, see codegen.py), `FAMILY` (what
-codegen needs to wrap it), `GemmConfig` (the typed tuning space) and `default_config(problem)`.
+Entry points: `gemm_mainloop` and `gemm_tma_mainloop` (@triton.jit, called by the generated kernels, see
+codegen.py), `FAMILY` and `TMA_FAMILY` (what codegen needs to wrap them), `GemmConfig` (the typed tuning space) and `default_config(problem)`.
 A and B may have any strides (row or column major, batch stride 0 for a shared operand). fp32 operands use
 tf32 tensor-core products on the GPU (PRECISION="tf32", Triton's default; pass "ieee" for exact fp32); under
 the interpreter the product is exact fp32 either way.
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .codegen import Family
-from .tiles import cdiv, k_range, mma, tile_offsets
+from .tiles import cdiv, k_range, mma, swizzle_tile, tile_offsets
 
 
 @triton.jit
@@ -64,6 +64,40 @@ FAMILY = Family(
 )
 
 
+@triton.jit
+def gemm_tma_mainloop(a_desc, b_desc, M, N, K, RPS, s_os, s_om,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                      SPLIT_K: tl.constexpr, B_KN: tl.constexpr, PRECISION: tl.constexpr):
+    """gemm_mainloop for a 2-D A [M, K] and B read through TMA tensor descriptors (Hopper's bulk tile copies):
+    no per-element address math, and boxes past an edge read as zeros, so no M, N or K masks. B is [K, N]
+    (B_KN) or, for a linear layer's transposed weight, the [N, K] matrix it is a view of."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(2)
+    tile_m, tile_n = swizzle_tile(pid, cdiv(M, BM), cdiv(N, BN), GROUP_M)
+    lo, hi = k_range(pid_k, cdiv(K, BK), SPLIT_K)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in range(lo, hi):
+        a_t = a_desc.load([tile_m * BM, kb * BK])
+        if B_KN:
+            b_t = b_desc.load([kb * BK, tile_n * BN])
+        else:
+            b_t = tl.trans(b_desc.load([tile_n * BN, kb * BK]))
+        acc = mma(a_t, b_t, acc, PRECISION)
+    offs_m = tile_m * BM + tl.arange(0, BM)
+    offs_n = tile_n * BN + tl.arange(0, BN)
+    sample = offs_m // RPS
+    p_idx = offs_m % RPS
+    return acc, pid, pid_k, sample, p_idx, offs_m < M, sample * s_os + p_idx * s_om, offs_n
+
+
+TMA_FAMILY = Family(
+    name="gemm_tma", module=__name__, mainloop="gemm_tma_mainloop",
+    args=("a_desc", "b_desc", "M", "N", "K", "RPS", "s_os", "s_om"),
+    constexprs=("BM", "BN", "BK", "GROUP_M", "SPLIT_K", "B_KN", "PRECISION"),
+    n_cols="N", s_out_c="s_on",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class GemmProblem:
     batch: int
@@ -84,9 +118,10 @@ class GemmConfig:
     split_k: int = 1
     num_warps: int = 8
     num_stages: int = 3
+    tma: bool = False  # gemm_tma_mainloop; only where launch.tma_operands accepts the operands
 
     def check(self, p: GemmProblem) -> bool:
-        return tiles_fit(self, p.dtype_bytes)
+        return tiles_fit(self, p.dtype_bytes) and not (self.tma and p.batch > 1)
 
 
 def tiles_fit(cfg, dtype_bytes: int) -> bool:
@@ -99,7 +134,7 @@ def tiles_fit(cfg, dtype_bytes: int) -> bool:
 
 SPACE = {  # the tuner (tuning/space.py) enumerates this product and keeps the configs that pass check()
     "block_m": (32, 64, 128, 256), "block_n": (32, 64, 128, 256), "block_k": (32, 64, 128),
-    "group_m": (8,), "split_k": (1, 2, 4, 8), "num_warps": (4, 8), "num_stages": (2, 3, 4, 5),
+    "group_m": (8,), "split_k": (1, 2, 4, 8), "num_warps": (4, 8), "num_stages": (2, 3, 4, 5), "tma": (False, True),
 }
 
 

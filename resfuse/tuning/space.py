@@ -11,12 +11,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from ..kernels import conv2d_bwd_data, conv2d_fprop, matmul
+from ..kernels import conv2d_bwd_data, conv2d_fprop, launch, matmul
 from ..kernels.launch import sm_count
 
 # (block_m, block_n, num_warps, num_stages) tried by "fast", besides the heuristic default
 FAST_TILES = ((128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4), (128, 256, 8, 3), (256, 128, 8, 3),
               (64, 64, 4, 4))
+# and, for a GEMM or 1x1 conv whose operands TMA descriptors can read, these tiles on the TMA mainloop (not yet
+# measured against the pointer mainloop on a GPU: the tuner decides)
+FAST_TMA_TILES = ((128, 128, 8, 3), (128, 256, 8, 3), (64, 128, 4, 4))
 LEVELS = ("none", "fast", "max")
 MODULES = {"conv2d": conv2d_fprop, "gemm": matmul, "conv2d_dgrad": conv2d_bwd_data}  # op -> its kernel's space
 
@@ -39,6 +42,16 @@ def problem(call):
     return matmul.GemmProblem(batch, a.shape[-2], b.shape[-1], a.shape[-1], a.element_size(), sm_count(dev))
 
 
+def _tma_readable(call) -> bool:
+    if call.op == "gemm":
+        return launch.tma_operands(*call.inputs) is not None
+    if call.op == "conv2d":
+        st = call.out.strides
+        return (launch.conv_as_gemm(*call.inputs, *call.params[:2]) is not None
+                and st[2] == call.out.shape[3] * st[3])
+    return False
+
+
 def configs(call, level: str) -> list:
     if level not in LEVELS:
         raise ValueError(f"tuning level {level!r}: one of {LEVELS}")
@@ -56,4 +69,9 @@ def configs(call, level: str) -> list:
                              for bm, bn, nw, ns in FAST_TILES]
         if default.split_k > 1:
             found.append(dataclasses.replace(default, split_k=1))
+        if call.op in ("gemm", "conv2d"):
+            found += [dataclasses.replace(default, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, tma=True)
+                      for bm, bn, nw, ns in FAST_TMA_TILES]
+    if not _tma_readable(call):
+        found = [c for c in found if not getattr(c, "tma", False)]  # it would run the pointer mainloop: a duplicate
     return [c for c in dict.fromkeys(found) if c.check(p)]

@@ -76,3 +76,38 @@ def test_conv2d_rejects_groups():
     x, w = torch.randn(1, 4, 5, 5), torch.randn(4, 2, 3, 3)
     with pytest.raises(NotImplementedError):
         launch.conv2d(x, w, [], "acc", [1, 1], [1, 1], [1, 1], torch.empty(1, 4, 5, 5))
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from(DTYPES), n=st.integers(1, 3), c8=st.integers(1, 5),
+       k=st.integers(1, 40), hw=st.tuples(st.integers(1, 9), st.integers(1, 9)),
+       out_layout=st.sampled_from([torch.channels_last, torch.contiguous_format]), split=st.sampled_from([1, 2, 3]),
+       tile=st.sampled_from([(16, 16, 16), (32, 16, 32), (16, 32, 16)]))
+def test_1x1_conv_on_the_tma_mainloop(data, dtype, n, c8, k, hw, out_layout, split, tile):
+    """A 1x1 stride-1 conv on a channels_last input is the GEMM [N*H*W, C] @ [C, K]; with tma=True it runs the
+    TMA-descriptor mainloop, epilogue rows indexed per sample, into either output layout."""
+    c = 8 * c8  # 16-byte rows for every dtype
+    tree, roles = data.draw(trees())
+    x = torch.randn(n, c, *hw).to(dtype).contiguous(memory_format=torch.channels_last)
+    w = (torch.randn(k, c, 1, 1) / c ** 0.5).to(dtype)
+    out_shape = [n, k, *hw]
+    layouts = data.draw(st.lists(st.integers(0, 2), min_size=len(roles), max_size=len(roles)))
+    operands = [make_operand(role, kind, out_shape, 1, dtype, lay) for (kind, role), lay in zip(roles, layouts)]
+    assert launch.conv_as_gemm(x, w, [1, 1], [0, 0]) is not None  # the TMA path, not the fallback
+    out = torch.full(out_shape, float("nan"), dtype=dtype).contiguous(memory_format=out_layout)
+    cfg = launch.ConvConfig(*tile, group_m=2, split_k=split, num_warps=4, num_stages=2, tma=True)
+    launch.conv2d(x, w, operands, str(tree), [1, 1], [0, 0], [1, 1], out, cfg)
+    acc = F.conv2d(x.double(), w.double())
+    assert_close(epi.rows3(out, out.shape, 1), reference(acc, tree, operands, 1), dtype)
+
+
+def test_tma_conv_config_falls_back_where_the_conv_is_no_plain_gemm():
+    x = torch.randn(2, 8, 5, 5).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(6, 8, 3, 3)
+    assert launch.conv_as_gemm(x, w, [1, 1], [1, 1]) is None
+    assert launch.conv_as_gemm(x.contiguous(), torch.randn(6, 8, 1, 1), [1, 1], [0, 0]) is None  # NCHW input
+    out = run_conv(x, w, epi.parse("relu(acc)"), [], (1, 1), (1, 1), (1, 1))
+    cfg = launch.ConvConfig(16, 16, 16, 2, 1, False, 4, 2, tma=True)
+    tma_out = torch.full_like(out, float("nan"))
+    launch.conv2d(x, w, [], "relu(acc)", [1, 1], [1, 1], [1, 1], tma_out, cfg)
+    torch.testing.assert_close(tma_out, out)

@@ -86,3 +86,32 @@ def test_linear_layer_product_written_as_batch_seq_channels(split):
     assert_close(epi.rows3(out, out.shape, -1), ref, torch.float32)
     via_op = torch.ops.resfuse.gemm(a, b, [nc, full], sig, [3, 7, 26], "triton")
     assert_close(epi.rows3(via_op, via_op.shape, -1), ref, torch.float32)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from(DTYPES), m=st.integers(1, 70), n8=st.integers(1, 9),
+       k8=st.integers(1, 11), b_cm=st.booleans(), split=st.sampled_from([1, 2, 3, 5]),
+       tile=st.sampled_from([(16, 16, 16), (32, 16, 32), (16, 32, 16)]))
+def test_tma_mainloop_epilogues(data, dtype, m, n8, k8, b_cm, split, tile):
+    """The TMA-descriptor mainloop (2-D A and B, row strides 16-byte aligned: N and K multiples of 8 here, M
+    free); boxes past the edges read zeros. B is [K, N] or a linear layer's transposed [N, K] weight."""
+    n, k = 8 * n8, 8 * k8
+    tree, roles = data.draw(trees(kinds=("c", "full")))
+    a = torch.randn(m, k).to(dtype)
+    b = _matrix([k, n], dtype, b_cm) / k ** 0.5
+    assert launch.tma_operands(a, b)[1] == (not b_cm)  # the descriptor path, with B's orientation
+    operands = [make_operand(role, kind, [m, n], -1, dtype, 0) for kind, role in roles]
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    cfg = launch.GemmConfig(*tile, group_m=2, split_k=split, num_warps=4, num_stages=2, tma=True)
+    launch.gemm(a, b, operands, str(tree), out, cfg)
+    ref = reference(torch.matmul(a.double(), b.double()), tree, operands, -1)
+    assert_close(epi.rows3(out, out.shape, -1), ref, dtype)
+
+
+def test_tma_config_falls_back_to_pointers_where_descriptors_cannot_read():
+    """A row stride that is not 16-byte aligned (K = 5 in fp32), or a batched product: the pointer mainloop."""
+    a, b = torch.randn(9, 5), torch.randn(5, 8)
+    assert launch.tma_operands(a, b) is None and launch.tma_operands(torch.randn(2, 9, 8), torch.randn(8, 8)) is None
+    out = torch.full((9, 8), float("nan"))
+    launch.gemm(a, b, [], "relu(acc)", out, launch.GemmConfig(16, 16, 16, 2, 1, 4, 2, tma=True))
+    torch.testing.assert_close(out.double(), torch.relu(a.double() @ b.double()), rtol=1e-4, atol=1e-4)

@@ -1,0 +1,39 @@
+"""The tuning space per level: what the triton provider offers for a GEMM, TMA mainloop variants included."""
+import torch
+
+from resfuse.ops.fused import Output
+from resfuse.tuning import space
+from resfuse.tuning.choose import Call
+
+
+def gemm_call(a, b):
+    return Call("gemm", (a, b), [], "acc", ([a.shape[0], b.shape[1]],),
+                Output.of([a.shape[0], b.shape[1]], a.dtype, a.device))
+
+
+def test_fast_level_offers_tma_variants_only_where_descriptors_can_read():
+    aligned = gemm_call(torch.randn(100, 64).half(), torch.randn(96, 64).half().t())  # a linear layer's weight.T
+    offered = space.configs(aligned, "fast")
+    assert sum(c.tma for c in offered) == len(space.FAST_TMA_TILES) and sum(not c.tma for c in offered) >= 2
+    misaligned = gemm_call(torch.randn(100, 60).half(), torch.randn(60, 90).half())  # 120-byte rows
+    assert not any(c.tma for c in space.configs(misaligned, "fast"))
+    assert space.configs(aligned, "none") == [space.configs(aligned, "fast")[0]] and not space.configs(aligned, "none")[0].tma
+
+
+def test_max_level_drops_tma_points_for_batched_products():
+    a, b = torch.randn(2, 64, 64).half(), torch.randn(2, 64, 64).half()
+    call = Call("gemm", (a, b), [], "acc", ([2, 64, 64],), Output.of([2, 64, 64], a.dtype, a.device))
+    found = space.configs(call, "max")
+    assert found and not any(c.tma for c in found)
+
+
+def test_1x1_channels_last_convs_get_tma_variants_and_3x3_convs_do_not():
+    def conv_call(x, w, padding):
+        out = Output.of([x.shape[0], w.shape[0], *x.shape[2:]], x.dtype, x.device, torch.channels_last)
+        return Call("conv2d", (x, w), [], "acc", ([1, 1], padding, [1, 1]), out)
+
+    x = torch.randn(2, 64, 7, 7).half().contiguous(memory_format=torch.channels_last)
+    one = conv_call(x, torch.randn(256, 64, 1, 1).half(), [0, 0])
+    three = conv_call(x, torch.randn(64, 64, 3, 3).half().contiguous(memory_format=torch.channels_last), [1, 1])
+    assert sum(c.tma for c in space.configs(one, "fast")) == len(space.FAST_TMA_TILES)
+    assert not any(c.tma for c in space.configs(three, "fast"))
