@@ -17,9 +17,8 @@ from ..kernels.launch import sm_count
 # (block_m, block_n, num_warps, num_stages) tried by "fast", besides the heuristic default
 FAST_TILES = ((128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4), (128, 256, 8, 3), (256, 128, 8, 3),
               (64, 64, 4, 4))
-# and, for a GEMM or 1x1 conv whose operands TMA descriptors can read, these tiles on the TMA mainloop (not yet
-# measured against the pointer mainloop on a GPU: the tuner decides)
-FAST_TMA_TILES = ((128, 128, 8, 3), (128, 256, 8, 3), (64, 128, 4, 4))
+# and, for a GEMM or 1x1 conv whose operands TMA descriptors can read, the default's twin on the TMA mainloop
+# (one compile more per op: not yet measured against the pointer mainloop on a GPU, and the tuning budget is tight)
 LEVELS = ("none", "fast", "max")
 MODULES = {"conv2d": conv2d_fprop, "gemm": matmul, "conv2d_dgrad": conv2d_bwd_data}  # op -> its kernel's space
 
@@ -70,8 +69,7 @@ def configs(call, level: str) -> list:
         if default.split_k > 1:
             found.append(dataclasses.replace(default, split_k=1))
         if call.op in ("gemm", "conv2d"):
-            found += [dataclasses.replace(default, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, tma=True)
-                      for bm, bn, nw, ns in FAST_TMA_TILES]
+            found.append(dataclasses.replace(default, tma=True))
     if not _tma_readable(call):
         found = [c for c in found if not getattr(c, "tma", False)]  # it would run the pointer mainloop: a duplicate
     return [c for c in dict.fromkeys(found) if c.check(p)]
