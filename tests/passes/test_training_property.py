@@ -44,9 +44,9 @@ EXAMPLES = int(os.environ.get("RESFUSE_EXAMPLES", 12))
 
 
 @settings(max_examples=EXAMPLES, deadline=None)
-@given(networks(), st.booleans(), st.booleans(), st.integers(0, 2**16))
-def test_random_residual_nets_train_like_eager(net, epilogue, add_to_output, seed):
-    check_one_step(net, seed, fuse_epilogue=epilogue, fuse_add_to_output=add_to_output)
+@given(networks(), st.booleans(), st.booleans(), st.booleans(), st.integers(0, 2**16))
+def test_random_residual_nets_train_like_eager(net, epilogue, add_to_output, dynamic, seed):
+    check_one_step(net, seed, dynamic=dynamic, fuse_epilogue=epilogue, fuse_add_to_output=add_to_output)
 
 
 @settings(max_examples=max(1, EXAMPLES // 4), deadline=None)
@@ -56,26 +56,36 @@ def test_random_residual_nets_train_like_eager_through_the_triton_kernels(net, s
     assert {f.ran for f in report.fusions} <= {"triton"}
 
 
-def check_one_step(net, seed, **config):
+def check_one_step(net, seed, dynamic=False, **config):
     """One step through resfuse and through eager, both judged against eager in float64: resfuse's error may
     be at most a few times eager's own (BN over a handful of values makes some nets ill-conditioned, so a
-    fixed fp32 tolerance between the two would flag rounding, not bugs)."""
+    fixed fp32 tolerance between the two would flag rounding, not bugs). dynamic: the batch dim is symbolic
+    in the captured graphs (one capture for every batch size)."""
     c, body, size, channels_last, input_grad = net
     torch.manual_seed(seed)
     body.train()
     twin, exact = copy.deepcopy(body), copy.deepcopy(body).double()
-    x = torch.randn(2, c, size, size)
+    x = torch.randn(3 if dynamic else 2, c, size, size)
     if channels_last:
         body, twin = body.to(memory_format=torch.channels_last), twin.to(memory_format=torch.channels_last)
         x = x.to(memory_format=torch.channels_last)
     xs = [x.clone().requires_grad_(input_grad), x.clone().requires_grad_(input_grad),
           x.double().requires_grad_(input_grad)]
     torch._dynamo.reset()
-    compiled = resfuse.compile(body, **config)
+    if dynamic:
+        from resfuse.capture.backend import make_backend
+
+        torch._dynamo.mark_dynamic(xs[0], 0)
+        report = resfuse.Report()
+        compiled = torch.compile(body, backend=make_backend(resfuse.Config(**config), report))
+        compiled.resfuse_report = report
+    else:
+        compiled = resfuse.compile(body, **config)
     losses = [m(v).square().mean() for m, v in zip((compiled, twin, exact), xs)]
     for loss in losses:
         loss.backward()
     assert not compiled.resfuse_report.errors
+    assert not any("dynamic" in r.reason for r in compiled.resfuse_report.rejected)  # a dynamic batch is fine
 
     def close(ours, eager, truth, what):
         ours_err = (ours.double() - truth).abs().max().item()
