@@ -207,6 +207,9 @@ def run_sweeps(peak, bw):
     conv_cfgs = [ConvConfig(128, 128, 64, 8, 1, False, 8, 3), ConvConfig(128, 64, 64, 8, 1, False, 4, 4),
                  ConvConfig(64, 128, 64, 8, 1, False, 4, 4), ConvConfig(128, 256, 64, 8, 1, False, 8, 3),
                  ConvConfig(256, 64, 64, 8, 1, False, 8, 3), ConvConfig(128, 128, 32, 8, 1, False, 4, 4)]
+    # the TMA mainloop's twins (it reads the BERT GEMMs and the 1x1 convs; a 3x3 conv falls back to pointers)
+    gemm_cfgs += [dataclasses.replace(c, tma=True) for c in gemm_cfgs]
+    conv_cfgs += [dataclasses.replace(c, tma=True) for c in conv_cfgs[:4]]
     out = []
     for name, m, n, k, sig in BERT[:2]:
         out.append((name, sweep(lambda: gemm_row(name, m, n, k, "acc", torch.float16, peak, bw, False)["ours_us"],

@@ -160,7 +160,7 @@ def _gemm_plan(a, b, operands, signature, out, config) -> Plan | None:
     cfg = config or gemm_config(GemmProblem(batch, m, n, k, a.element_size(), sm_count(a.device)))
     split = _split(cfg.split_k)
     tiles_mn = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    if cfg.tma:
+    if cfg.tma and tma_operands(a, b) is not None:
         return _gemm_tma_plan(a, b, operands, signature, out, cfg, split, tiles_mn, (rps, s_os, s_om, s_on))
     head = [m, n, k, rps, s_ab, a.stride(-2), a.stride(-1), s_bb, b.stride(-2), b.stride(-1), s_ob, s_os, s_om, s_on]
     meta = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split,
@@ -233,10 +233,10 @@ def _conv_plan(x, w, operands, signature, stride, padding, dilation, out, config
     cfg = config or conv_config(ConvProblem(nb, c, ko, r, s, oh, ow, x.element_size(), sm_count(x.device)))
     split = _split(cfg.split_k)
     tiles = triton.cdiv(nb * oh * ow, cfg.block_m) * triton.cdiv(ko, cfg.block_n)
-    if cfg.tma:  # a 1x1 conv as the GEMM it is (conv2d checked conv_as_gemm)
-        return _tma_plan(lambda x, w: conv_as_gemm(x, w, stride, padding), (x, w), operands, signature, out, 1,
-                         cfg, split, tiles, (oh * ow, out.stride(0), out.stride(3), out.stride(1)))
     s_on, s_ok, s_oh, s_ow = out.stride()
+    if cfg.tma and conv_as_gemm(x, w, stride, padding) is not None and s_oh == ow * s_ow:  # a 1x1 conv as a GEMM
+        return _tma_plan(lambda x, w: conv_as_gemm(x, w, stride, padding), (x, w), operands, signature, out, 1,
+                         cfg, split, tiles, (oh * ow, s_on, s_ow, s_ok))
     head = [nb, h, wd, c, ko, oh, ow, r, s, *x.stride(), *w.stride(), s_on, s_oh, s_ow, stride[0], stride[1],
             padding[0], padding[1], dilation[0], dilation[1], s_ok]
     meta = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split, FLAT=cfg.flat,
