@@ -166,3 +166,32 @@ def test_report_says_when_aten_was_not_measured():
     entry = ch.tune(conv_call(), bench=bench, level="none", report=lines.append)
     assert entry.provider == "triton" and "aten" not in entry.times
     assert "aten not measured" in lines[0] and "nan" not in lines[0]
+
+
+def test_triton_candidates_are_built_together_and_failures_left_to_select(monkeypatch):
+    """compile_in_parallel launches every Triton candidate (with and without its epilogue) from a thread
+    pool before stage 1; a candidate that fails is ignored there, other providers are not touched."""
+    import threading
+
+    from resfuse.tuning.select import Candidate
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    ran, lock = [], threading.Lock()
+
+    def job(name, fail=False):
+        def fn():
+            with lock:
+                ran.append((name, threading.current_thread().name))
+            if fail:
+                raise RuntimeError("does not compile")
+        return fn
+
+    cands = [Candidate("triton", f"t{i}", {}, job(f"run{i}", fail=i == 1), job(f"bare{i}")) for i in range(3)]
+    cands.append(Candidate("epilogue", "aten+epilogue", {}, job("epilogue")))
+    ch.compile_in_parallel(cands, torch.device("cuda"))
+    assert sorted(n for n, _ in ran) == sorted([f"run{i}" for i in range(3)] + [f"bare{i}" for i in range(3)])
+    assert all(t != threading.main_thread().name for _, t in ran)
+    ran.clear()
+    ch.compile_in_parallel(cands, torch.device("cpu"))  # the interpreter: nothing to build, not thread-safe
+    assert ran == []
