@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from typing import Sequence
 
 import torch
@@ -154,10 +155,10 @@ def with_batch(shape: Sequence[int], leading) -> list:
 
 
 def _gemm_out_shape(a: torch.Tensor, b: torch.Tensor, out_shape: Sequence[int]) -> list:
-    rest = 1
-    for d in out_shape[1:]:
-        rest *= d
-    return with_batch(out_shape, a.numel() // a.shape[-1] * b.shape[-1] // rest)
+    if out_shape[0] != -1:
+        return list(out_shape)
+    rest = math.prod(out_shape[1:])  # the product has prod(a.shape[:-1]) * N elements
+    return with_batch(out_shape, math.prod(a.shape[:-1]) * b.shape[-1] // rest if rest else 0)
 
 
 def gemm_impl(a: torch.Tensor, b: torch.Tensor, operands: Sequence[torch.Tensor], epilogue: str,
