@@ -60,3 +60,44 @@ def test_training_step_runs_batch_norm_and_dgrad_kernels_under_the_interpreter()
     assert ("batch_norm", "triton") in ran and ("conv2d_dgrad", "triton") in ran
     assert any(f.anchor == "batch_norm" and f.ops == ["add", "relu"] for f in report.fusions)
     assert any(f.anchor == "conv2d_dgrad" and f.ops[0] == "add" for f in report.fusions)
+
+
+def test_interpreter_switch_after_triton_was_imported():
+    """RESFUSE_INTERPRET=1 in a process that imported triton first (torch._dynamo does): the kernels must use
+    no Triton @jit helper (triton 3.7's tl.zeros is one), or they fail inside the interpreter. Runs in a fresh
+    process without TRITON_INTERPRET, unlike the rest of the suite."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, triton, resfuse\n"
+        "from tests.test_api import Block, rel\n"
+        "torch.manual_seed(0)\n"
+        "block = Block(c=5).eval()\n"
+        "x = torch.randn(2, 5, 7, 6)\n"
+        "compiled = resfuse.compile(block)\n"
+        "with torch.no_grad():\n"
+        "    assert rel(compiled(x), block(x)) < 1e-4\n"
+        "assert {f.ran for f in compiled.resfuse_report.fusions} == {'triton'}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"RESFUSE_INTERPRET": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_batched_product_viewed_as_4d_keeps_its_view_outside():
+    """bmm [B*H, S, T] viewed as [B, H, S, T] (attention scores): the kernel writes a batched product as
+    [B, M, N] only, so the view is not absorbed; the bias and relu are, and the values match eager."""
+    class Scores(torch.nn.Module):
+        def forward(self, q, k, bias):
+            return torch.relu(torch.bmm(q, k).view(2, 3, 5, 6) + bias)
+
+    torch.manual_seed(3)
+    q, k, bias = torch.randn(6, 5, 8), torch.randn(6, 8, 6), torch.randn(6)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(Scores(), interpret=True)
+    with torch.no_grad():
+        assert rel(compiled(q, k, bias), Scores()(q, k, bias)) < 1e-5

@@ -72,9 +72,9 @@ def bn_partials_kernel(x, ws, M, C, RPS, s_xs, s_xp, s_xc, TILES_PER_SPLIT, SPLI
     # Every value is taken relative to the split's first row: the sums then add numbers of the spread's size,
     # not of the mean's.
     pivot = tl.load(x + _row_offsets(t_lo * BP, RPS, s_xs, s_xp) + cols, mask=ok_c, other=0.0).to(tl.float32)
-    n = tl.zeros([BC], dtype=tl.float32)
-    mean = tl.zeros([BC], dtype=tl.float32)
-    m2 = tl.zeros([BC], dtype=tl.float32)
+    n = tl.full([BC], 0.0, dtype=tl.float32)
+    mean = tl.full([BC], 0.0, dtype=tl.float32)
+    m2 = tl.full([BC], 0.0, dtype=tl.float32)
     for t in range(t_lo, t_hi):
         rows = t * BP + tl.arange(0, BP)
         ok = (rows < M)[:, None] & ok_c[None, :]
@@ -106,7 +106,7 @@ def bn_finalize_kernel(ws, save_mean, save_invstd, w, b, rm, rv, rm_out, rv_out,
     part = ws + 2 * C
     pivot = tl.load(part + offs_c, mask=ok_c, other=0.0)  # split 0's mean, again so sums stay small
     # pass 1: the count-weighted mean of the split means
-    acc = tl.zeros([BR, BC], dtype=tl.float32)
+    acc = tl.full([BR, BC], 0.0, dtype=tl.float32)
     for r0 in range(0, SPLITS, BR):
         r = r0 + tl.arange(0, BR)
         ok = (r < SPLITS)[:, None] & ok_c[None, :]
@@ -115,7 +115,7 @@ def bn_finalize_kernel(ws, save_mean, save_invstd, w, b, rm, rv, rm_out, rv_out,
         acc += tl.where(ok, n_r[:, None] * (mean_r - pivot[None, :]), 0.0)
     shift_mean = _sum_rows(acc) / M
     # pass 2: M2 = sum M2_i + sum n_i (mean_i - mean)^2
-    acc = tl.zeros([BR, BC], dtype=tl.float32)
+    acc = tl.full([BR, BC], 0.0, dtype=tl.float32)
     for r0 in range(0, SPLITS, BR):
         r = r0 + tl.arange(0, BR)
         ok = (r < SPLITS)[:, None] & ok_c[None, :]
@@ -131,7 +131,7 @@ def bn_finalize_kernel(ws, save_mean, save_invstd, w, b, rm, rv, rm_out, rv_out,
     scale = invstd
     if HAS_W:
         scale = scale * tl.load(w + offs_c, mask=ok_c, other=0.0).to(tl.float32)
-    shift = tl.zeros([BC], dtype=tl.float32)
+    shift = tl.full([BC], 0.0, dtype=tl.float32)
     if HAS_B:
         shift = tl.load(b + offs_c, mask=ok_c, other=0.0).to(tl.float32)
     tl.store(ws + offs_c, scale, mask=ok_c)

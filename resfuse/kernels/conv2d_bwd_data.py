@@ -79,7 +79,7 @@ def conv2d_dgrad_mainloop(g, w, NB, H, W, C, KO, OH, OW, R, S,
     offs_k = tl.arange(0, BK)
     k_blocks = cdiv(KO, BK)
     lo, hi = k_range(pid_k, nr * ns * k_blocks, SPLIT_K)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc = tl.full((BM, BN), 0.0, dtype=tl.float32)
     for t in range(lo, hi):
         tap = t // k_blocks
         kk = (t - tap * k_blocks) * BK + offs_k

@@ -42,7 +42,7 @@ def conv2d_fprop_mainloop(x, w, NB, H, W, C, KO, OH, OW, R, S,
     x_rows = x + n_i * s_xn
     w_cols = w + cols * s_wk
     offs_k = tl.arange(0, BK)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc = tl.full((BM, BN), 0.0, dtype=tl.float32)
     if FLAT:
         red = R * S * C
         lo, hi = k_range(pid_k, cdiv(red, BK), SPLIT_K)

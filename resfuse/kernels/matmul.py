@@ -3,7 +3,8 @@
 (Named matmul.py, not gemm.py: a submodule `kernels.gemm` would replace the entry-point function of that name.)
 
 Entry points: `gemm_mainloop` and `gemm_tma_mainloop` (@triton.jit, called by the generated kernels, see
-codegen.py), `FAMILY` and `TMA_FAMILY` (what codegen needs to wrap them), `GemmConfig` (the typed tuning space) and `default_config(problem)`.
+codegen.py), `FAMILY` and `TMA_FAMILY` (what codegen needs to wrap them), `GemmConfig` (the typed tuning
+space) and `default_config(problem)`.
 A and B may have any strides (row or column major, batch stride 0 for a shared operand). fp32 operands use
 tf32 tensor-core products on the GPU (PRECISION="tf32", Triton's default; pass "ieee" for exact fp32); under
 the interpreter the product is exact fp32 either way.
@@ -36,7 +37,7 @@ def gemm_mainloop(a, b, M, N, K, RPS, s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_ob, 
     lo, hi = k_range(pid_k, cdiv(K, BK), SPLIT_K)
     a_ptrs = a + batch * s_ab + rows[:, None] * s_am + (lo * BK + offs_k)[None, :] * s_ak
     b_ptrs = b + batch * s_bb + (lo * BK + offs_k)[:, None] * s_bk + cols[None, :] * s_bn
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc = tl.full((BM, BN), 0.0, dtype=tl.float32)
     for kb in range(lo, hi):
         if EVEN_K:
             a_t = tl.load(a_ptrs)
@@ -75,7 +76,7 @@ def gemm_tma_mainloop(a_desc, b_desc, M, N, K, RPS, s_os, s_om,
     pid_k = tl.program_id(2)
     tile_m, tile_n = swizzle_tile(pid, cdiv(M, BM), cdiv(N, BN), GROUP_M)
     lo, hi = k_range(pid_k, cdiv(K, BK), SPLIT_K)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc = tl.full((BM, BN), 0.0, dtype=tl.float32)
     for kb in range(lo, hi):
         a_t = a_desc.load([tile_m * BM, kb * BK])
         if B_KN:

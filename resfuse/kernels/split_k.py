@@ -28,7 +28,7 @@ def split_k_reduce(acc, ws, tickets, tile, pid_k, BM: tl.constexpr, BN: tl.const
     tl.debug_barrier()
     arrived = tl.atomic_add(tickets + tile, 1, sem="acq_rel")
     last = arrived == SPLIT_K - 1
-    total = tl.zeros((BM, BN), dtype=tl.float32)
+    total = tl.full((BM, BN), 0.0, dtype=tl.float32)
     for i in tl.static_range(SPLIT_K):
         # .cg reads through L2, where the other programs' partials are, not a stale L1 line
         total += tl.load(base + i * (BM * BN) + offs, mask=last, other=0.0, cache_modifier=".cg")

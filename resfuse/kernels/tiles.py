@@ -4,9 +4,10 @@ Entry points: `swizzle_tile(pid, tiles_m, tiles_n, GROUP_M)`, `k_range(pid_k, bl
 called by matmul.py and conv2d_fprop.py so that both families order their tiles and split their reduction the
 same way.
 
-Kernels here use Triton builtins only, never triton.language.standard's @jit helpers (tl.cdiv, tl.sum...):
-those are decorated when triton is first imported, so if that happened before the interpreter switch they
-would stay compiled-mode functions and fail inside an interpreted kernel.
+Kernels here use Triton builtins only, never triton.language.standard's @jit helpers (tl.cdiv, tl.sum, and
+since triton 3.7 tl.zeros: use tl.full): those are decorated when triton is first imported, so if that
+happened before the interpreter switch they would stay compiled-mode functions and fail inside an interpreted
+kernel.
 """
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ def _gemm_behind_view(node) -> fx.Node | None:
     if not (gemm and len(src.users) == 1):
         return None
     sv, v = legality.val(src), legality.val(node)
-    if sv is None or v is None or v.shape[-1] != sv.shape[-1] or not sv.is_contiguous():
+    if sv is None or v is None or sv.dim() != 2 or v.shape[-1] != sv.shape[-1] or not sv.is_contiguous():
         return None
     return None if legality.static_tensor(node) else src  # a view with a dynamic inner dim: not ours to write
 

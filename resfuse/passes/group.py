@@ -112,12 +112,13 @@ class Group:
             return g
         if t in (aten.mm.default, aten.bmm.default):
             a, b = node.args[:2]
-            return cls("gemm", (a, b), (legality.shape_param(legality.val(node).shape),), epi.ACC, [], [node.name], node, [],
-                       provider)
+            return cls("gemm", (a, b), (legality.shape_param(legality.val(node).shape),), epi.ACC, [], [node.name],
+                       node, [], provider)
         if t == aten.addmm.default:
             bias, a, b = node.args[:3]
             beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
-            g = cls("gemm", (a, b), (legality.shape_param(legality.val(node).shape),), epi.ACC, [], [node.name], node, [], provider)
+            g = cls("gemm", (a, b), (legality.shape_param(legality.val(node).shape),), epi.ACC, [], [node.name],
+                    node, [], provider)
             kind, _ = legality.broadcast_kind(bias, legality.val(node), -1)
             acc = epi.ACC if alpha == 1 else epi.Op("mul", (epi.ACC, epi.Const(float(alpha))))
             b_op = g.operand(bias, kind)
