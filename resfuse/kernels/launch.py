@@ -161,7 +161,8 @@ def _gemm_plan(a, b, operands, signature, out, config) -> Plan | None:
     split = _split(cfg.split_k)
     tiles_mn = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     if cfg.tma and tma_operands(a, b) is not None:
-        return _gemm_tma_plan(a, b, operands, signature, out, cfg, split, tiles_mn, (rps, s_os, s_om, s_on))
+        return _tma_plan(lambda a, b: (a, b), (a, b), operands, signature, out, -1, cfg, split, tiles_mn,
+                         (rps, s_os, s_om, s_on))
     head = [m, n, k, rps, s_ab, a.stride(-2), a.stride(-1), s_bb, b.stride(-2), b.stride(-1), s_ob, s_os, s_om, s_on]
     meta = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split,
                 EVEN_K=k % cfg.block_k == 0, PRECISION=_precision(a.dtype),
@@ -169,10 +170,6 @@ def _gemm_plan(a, b, operands, signature, out, config) -> Plan | None:
     return Plan(codegen.load(GEMM_FAMILY, signature), (tiles_mn, batch, split), head,
                 operand_strides(signature, operands, out.shape, -1), meta,
                 (tiles_mn * batch, split, cfg.block_m, cfg.block_n))
-
-
-def _gemm_tma_plan(a, b, operands, signature, out, cfg, split, tiles_mn, out_view) -> Plan:
-    return _tma_plan(lambda a, b: (a, b), (a, b), operands, signature, out, -1, cfg, split, tiles_mn, out_view)
 
 
 def _tma_plan(as_matrices, inputs, operands, signature, out, channel_dim, cfg, split, tiles_mn, out_view) -> Plan:
@@ -198,13 +195,13 @@ def _tma_plan(as_matrices, inputs, operands, signature, out, channel_dim, cfg, s
                 descriptors)
 
 
-def conv_as_gemm(x: torch.Tensor, w: torch.Tensor, stride, padding):
+def conv_as_gemm(x: torch.Tensor, w: torch.Tensor, stride, padding, out_strides):
     """(x, w) -> (A [N*H*W, C], B [C, K]) views when the conv is a plain GEMM that TMA descriptors can read: a
-    1x1 kernel, stride 1, no padding, a channels_last input; else None. (The output's H and W must merge
-    into rows too: conv2d checks that.)"""
+    1x1 kernel, stride 1, no padding, a channels_last input, an output (its strides given) whose H and W merge
+    into rows; else None."""
     n, c, h, wd = x.shape
     if (w.shape[2:] != (1, 1) or list(stride) != [1, 1] or list(padding) != [0, 0] or w.shape[1] != c
-            or not x.permute(0, 2, 3, 1).is_contiguous()):
+            or not x.permute(0, 2, 3, 1).is_contiguous() or out_strides[2] != wd * out_strides[3]):
         return None
     a, b = x.permute(0, 2, 3, 1).reshape(n * h * wd, c), w.reshape(w.shape[0], c).t()
     return (a, b) if tma_operands(a, b) is not None else None
@@ -212,8 +209,7 @@ def conv_as_gemm(x: torch.Tensor, w: torch.Tensor, stride, padding):
 
 def conv2d(x: torch.Tensor, w: torch.Tensor, operands, signature: str, stride, padding, dilation,
            out: torch.Tensor, config: ConvConfig | None = None) -> torch.Tensor:
-    if config is not None and config.tma and (conv_as_gemm(x, w, stride, padding) is None
-                                              or out.stride(2) != out.shape[3] * out.stride(3)):
+    if config is not None and config.tma and conv_as_gemm(x, w, stride, padding, out.stride()) is None:
         config = dataclasses.replace(config, tma=False)
     key = plan_key("conv2d", signature, tuple(stride), tuple(padding), tuple(dilation), config, options()["split_k"],
                x, w, out, *operands)
@@ -234,9 +230,9 @@ def _conv_plan(x, w, operands, signature, stride, padding, dilation, out, config
     split = _split(cfg.split_k)
     tiles = triton.cdiv(nb * oh * ow, cfg.block_m) * triton.cdiv(ko, cfg.block_n)
     s_on, s_ok, s_oh, s_ow = out.stride()
-    if cfg.tma and conv_as_gemm(x, w, stride, padding) is not None and s_oh == ow * s_ow:  # a 1x1 conv as a GEMM
-        return _tma_plan(lambda x, w: conv_as_gemm(x, w, stride, padding), (x, w), operands, signature, out, 1,
-                         cfg, split, tiles, (oh * ow, s_on, s_ow, s_ok))
+    if cfg.tma and conv_as_gemm(x, w, stride, padding, out.stride()) is not None:  # a 1x1 conv as a GEMM
+        return _tma_plan(lambda x, w: conv_as_gemm(x, w, stride, padding, out.stride()), (x, w), operands,
+                         signature, out, 1, cfg, split, tiles, (oh * ow, s_on, s_ow, s_ok))
     head = [nb, h, wd, c, ko, oh, ow, r, s, *x.stride(), *w.stride(), s_on, s_oh, s_ow, stride[0], stride[1],
             padding[0], padding[1], dilation[0], dilation[1], s_ok]
     meta = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split, FLAT=cfg.flat,

@@ -45,9 +45,7 @@ def _tma_readable(call) -> bool:
     if call.op == "gemm":
         return launch.tma_operands(*call.inputs) is not None
     if call.op == "conv2d":
-        st = call.out.strides
-        return (launch.conv_as_gemm(*call.inputs, *call.params[:2]) is not None
-                and st[2] == call.out.shape[3] * st[3])
+        return launch.conv_as_gemm(*call.inputs, *call.params[:2], call.out.strides) is not None
     return False
 
 

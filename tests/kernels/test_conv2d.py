@@ -93,8 +93,8 @@ def test_1x1_conv_on_the_tma_mainloop(data, dtype, n, c8, k, hw, out_layout, spl
     out_shape = [n, k, *hw]
     layouts = data.draw(st.lists(st.integers(0, 2), min_size=len(roles), max_size=len(roles)))
     operands = [make_operand(role, kind, out_shape, 1, dtype, lay) for (kind, role), lay in zip(roles, layouts)]
-    assert launch.conv_as_gemm(x, w, [1, 1], [0, 0]) is not None  # the TMA path, not the fallback
     out = torch.full(out_shape, float("nan"), dtype=dtype).contiguous(memory_format=out_layout)
+    assert launch.conv_as_gemm(x, w, [1, 1], [0, 0], out.stride()) is not None  # the TMA path, not the fallback
     cfg = launch.ConvConfig(*tile, group_m=2, split_k=split, num_warps=4, num_stages=2, tma=True)
     launch.conv2d(x, w, operands, str(tree), [1, 1], [0, 0], [1, 1], out, cfg)
     acc = F.conv2d(x.double(), w.double())
@@ -104,8 +104,9 @@ def test_1x1_conv_on_the_tma_mainloop(data, dtype, n, c8, k, hw, out_layout, spl
 def test_tma_conv_config_falls_back_where_the_conv_is_no_plain_gemm():
     x = torch.randn(2, 8, 5, 5).contiguous(memory_format=torch.channels_last)
     w = torch.randn(6, 8, 3, 3)
-    assert launch.conv_as_gemm(x, w, [1, 1], [1, 1]) is None
-    assert launch.conv_as_gemm(x.contiguous(), torch.randn(6, 8, 1, 1), [1, 1], [0, 0]) is None  # NCHW input
+    cl = torch.empty(2, 6, 5, 5).contiguous(memory_format=torch.channels_last).stride()
+    assert launch.conv_as_gemm(x, w, [1, 1], [1, 1], cl) is None
+    assert launch.conv_as_gemm(x.contiguous(), torch.randn(6, 8, 1, 1), [1, 1], [0, 0], cl) is None  # NCHW input
     out = run_conv(x, w, epi.parse("relu(acc)"), [], (1, 1), (1, 1), (1, 1))
     cfg = launch.ConvConfig(16, 16, 16, 2, 1, False, 4, 2, tma=True)
     tma_out = torch.full_like(out, float("nan"))
