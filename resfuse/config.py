@@ -20,6 +20,9 @@ class Config:
     "Absorb bias / BN / activations / binary ops into the conv or GEMM that produces their input."
     fuse_add_to_output: bool = True
     "OneFlow's FuseAddToOutput: a same-shape 2-input add is absorbed by the op that produces one operand."
+    batch_norm_backward: bool = True
+    ("Run training's batch-norm backward on resfuse's Triton kernel (three deterministic passes) instead of "
+     "ATen's, where the fused ops run on Triton.")
     providers: tuple[str, ...] = ("triton", "aten")
     "Who may run a fused op on CUDA, in order of preference until the tuner measures them."
     tuning: str = "fast"

@@ -46,20 +46,23 @@ def test_training_step_runs_batch_norm_and_dgrad_kernels_under_the_interpreter()
 
     from resfuse.ops import PATHS
 
-    def bn_calls():
-        return sum(n for (op, _, path), n in PATHS.items() if op == "batch_norm" and path == "triton")
+    def bn_calls(anchor):
+        return sum(n for (op, _, path), n in PATHS.items() if op == anchor and path == "triton")
 
-    before = bn_calls()
+    before = bn_calls("batch_norm"), bn_calls("batch_norm_backward")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         compiled(x).sum().backward()
     calls = {e.key: e.count for e in prof.key_averages()}
     # the fused batch norms replaced ATen's (only the shortcut's, which absorbed nothing, still runs)
-    assert calls.get("aten::_native_batch_norm_legit_functional") == 1 and bn_calls() - before == 2
+    assert calls.get("aten::_native_batch_norm_legit_functional") == 1 and bn_calls("batch_norm") - before[0] == 2
+    # all three batch-norm backwards ran our kernel, none ATen's
+    assert "aten::native_batch_norm_backward" not in calls and bn_calls("batch_norm_backward") - before[1] == 3
     report = compiled.resfuse_report
     ran = {(f.anchor, f.ran) for f in report.fusions}
     assert ("batch_norm", "triton") in ran and ("conv2d_dgrad", "triton") in ran
     assert any(f.anchor == "batch_norm" and f.ops == ["add", "relu"] for f in report.fusions)
     assert any(f.anchor == "conv2d_dgrad" and f.ops[0] == "add" for f in report.fusions)
+    assert "backward graph: 3 batch-norm backward(s) on resfuse's kernel" in report.rewrites
 
 
 def test_interpreter_switch_after_triton_was_imported():

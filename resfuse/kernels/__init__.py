@@ -7,6 +7,7 @@ Entry points, called by ops/fused.py:
                                                      grad_input of conv2d(input, w), with the epilogue
   gemm(a, b, operands, signature, out, config=None) -> out
   epilogue(acc, operands, signature, out, channel_dim) -> out   the epilogue alone, on an ATen result
+  batch_norm_train(...), batch_norm_backward(...)    training batch norm (batch_norm.py, batch_norm_bwd.py)
   set_options(interpret=..., cache_dir=..., split_k=...)   process-wide, set by resfuse.compile
 
 Triton decides at decoration time whether a kernel is compiled or interpreted, so the interpreter switch is
@@ -90,3 +91,9 @@ def batch_norm_train(x, weight, bias, running_mean, running_var, operands, signa
     """Training batch norm + epilogue -> (y, save_mean, save_invstd, new_running_mean, new_running_var)."""
     from .batch_norm import batch_norm_train as run
     return run(x, weight, bias, running_mean, running_var, operands, signature, momentum, eps, out, config)
+
+
+def batch_norm_backward(grad_out, x, weight, save_mean, save_invstd, output_mask, grad_input=None, config=None):
+    """Training batch-norm backward -> (grad_input, grad_weight, grad_bias), None where output_mask is False."""
+    from .batch_norm_bwd import batch_norm_backward as run
+    return run(grad_out, x, weight, save_mean, save_invstd, output_mask, grad_input, config)

@@ -9,10 +9,9 @@ fp32, and writes y in x's dtype. Also here: `FAMILY` (what codegen wraps), `BnCo
 
 x is [N, C, *] (channel dim 1) at any strides that give an [S, P, C] view (epilogue.rows3): contiguous,
 channels_last, [N, C]. Three passes over memory, one kernel each:
-  1. `bn_partials_kernel`, grid (row splits, channel blocks): each program walks its rows tile by tile, takes
-     each tile's mean and M2 in two passes over the registers (shifted by the split's first row, so a mean far
-     from 0 costs no precision) and merges the tiles with Chan's pairwise update; it writes one (mean, M2) per
-     split and channel to an fp32 workspace.
+  1. `bn_partials_kernel`, grid (row splits, channel blocks): each program walks its rows tile by tile,
+     summing d and d^2 per lane, with d = x - the split's first row (so a mean far from 0 costs no
+     precision); it writes one (mean, M2) per split and channel to an fp32 workspace.
   2. `bn_finalize_kernel`, grid (channel blocks): merges the splits with the k-group form of Chan's formula,
      M2 = sum M2_i + sum n_i (mean_i - mean)^2, in fixed order, so results are bit-identical run to run (no
      atomics); writes save_mean, save_invstd, the new running stats and the per-channel scale and shift.
@@ -69,27 +68,24 @@ def bn_partials_kernel(x, ws, M, C, RPS, s_xs, s_xp, s_xc, TILES_PER_SPLIT, SPLI
     cols = offs_c * s_xc
     t_lo = pid_r * TILES_PER_SPLIT
     t_hi = tl.minimum(t_lo + TILES_PER_SPLIT, cdiv(M, BP))
-    # Every value is taken relative to the split's first row: the sums then add numbers of the spread's size,
-    # not of the mean's.
+    # Every value is taken relative to the split's first row (a sample of its channel, so within a few
+    # standard deviations of the mean): the sums then add numbers of the spread's size, not of the mean's,
+    # and sum(d^2) - sum(d)^2 / n cancels little. The loop only loads and adds into per-lane registers
+    # (a tile's reduction per step left the loads latency-bound); the lanes are summed once at the end.
     pivot = tl.load(x + _row_offsets(t_lo * BP, RPS, s_xs, s_xp) + cols, mask=ok_c, other=0.0).to(tl.float32)
-    n = tl.full([BC], 0.0, dtype=tl.float32)
-    mean = tl.full([BC], 0.0, dtype=tl.float32)
-    m2 = tl.full([BC], 0.0, dtype=tl.float32)
+    s1 = tl.full([BP, BC], 0.0, dtype=tl.float32)
+    s2 = tl.full([BP, BC], 0.0, dtype=tl.float32)
     for t in range(t_lo, t_hi):
         rows = t * BP + tl.arange(0, BP)
         ok = (rows < M)[:, None] & ok_c[None, :]
         v = tl.load(x + _row_offsets(rows, RPS, s_xs, s_xp)[:, None] + cols[None, :], mask=ok, other=0.0)
         d = tl.where(ok, v.to(tl.float32) - pivot[None, :], 0.0)
-        n_t = tl.minimum(M - t * BP, BP).to(tl.float32)
-        mean_t = _sum_rows(d) / n_t
-        e = tl.where(ok, d - mean_t[None, :], 0.0)
-        m2_t = _sum_rows(e * e)
-        # Chan et al.'s pairwise update; the first tile (n = 0) sets mean and M2 exactly
-        n_new = n + n_t
-        delta = mean_t - mean
-        mean = mean + delta * (n_t / n_new)
-        m2 = m2 + m2_t + delta * (n * n_t / n_new) * delta
-        n = n_new
+        s1 += d
+        s2 += d * d
+    n = (tl.minimum(t_hi * BP, M) - t_lo * BP).to(tl.float32)
+    sum1 = _sum_rows(s1)
+    mean = sum1 / n
+    m2 = tl.maximum(_sum_rows(s2) - sum1 * mean, 0.0)
     out = ws + 2 * C + pid_r * C + offs_c
     tl.store(out, pivot + mean, mask=ok_c)
     tl.store(out + SPLITS * C, m2, mask=ok_c)

@@ -9,15 +9,18 @@ small batch pays on every fused op.
 import torch.fx as fx
 
 from .fused import PATHS, conv2d, conv2d_impl, conv_out_format, gemm, gemm_impl
-from .training import batch_norm, batch_norm_impl, conv2d_dgrad, conv2d_dgrad_impl
+from .training import (batch_norm, batch_norm_backward, batch_norm_backward_impl, batch_norm_impl, conv2d_dgrad,
+                       conv2d_dgrad_impl)
 
-__all__ = ["PATHS", "conv2d", "gemm", "conv_out_format", "batch_norm", "conv2d_dgrad", "lower_to_impls"]
+__all__ = ["PATHS", "conv2d", "gemm", "conv_out_format", "batch_norm", "conv2d_dgrad", "batch_norm_backward",
+           "lower_to_impls"]
 
 import torch  # noqa: E402  (after the ops are defined, so torch.ops.resfuse has them)
 
 IMPLS = {torch.ops.resfuse.conv2d.default: conv2d_impl, torch.ops.resfuse.gemm.default: gemm_impl,
          torch.ops.resfuse.batch_norm.default: batch_norm_impl,
-         torch.ops.resfuse.conv2d_dgrad.default: conv2d_dgrad_impl}
+         torch.ops.resfuse.conv2d_dgrad.default: conv2d_dgrad_impl,
+         torch.ops.resfuse.batch_norm_backward.default: batch_norm_backward_impl}
 
 
 def lower_to_impls(gm: fx.GraphModule) -> fx.GraphModule:

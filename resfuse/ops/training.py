@@ -1,4 +1,5 @@
-"""The fused ops of training graphs: resfuse::batch_norm (forward) and resfuse::conv2d_dgrad (backward).
+"""The fused ops of training graphs: resfuse::batch_norm (forward), resfuse::conv2d_dgrad and
+resfuse::batch_norm_backward (backward).
 
 batch_norm is training-mode batch norm (batch statistics, running-stat update, the saved mean and invstd
 that backward reads) with an epilogue on its output, e.g. relu(add(acc, full0)): the bn -> add -> relu tail
@@ -8,6 +9,10 @@ returns, with the epilogue applied to the first output.
 conv2d_dgrad is the data gradient of a conv2d with an epilogue, e.g. threshold_bwd(add(acc, full0), full1):
 the skip-gradient add absorbed (FuseAddToOutput in backward), then relu's gradient. The weight gradient
 stays with aten.convolution_backward (cuDNN), which the rewrite asks for the weight gradient alone.
+
+batch_norm_backward is aten.native_batch_norm_backward in training mode on our kernel (three deterministic
+passes: kernels/batch_norm_bwd.py), put in backward graphs by passes/bn_backward.py. It always returns all
+three gradients (the parameter gradients cost C values each); the graph reads the ones it asked for.
 
 Paths are recorded in PATHS like the inference ops: "reference" (ATen, then the epilogue in torch) or
 "triton" (our kernels, on CUDA or under the interpreter).
@@ -122,3 +127,49 @@ def cudnn_dgrad(grad_out, weight, input_shape, stride, padding, dilation) -> tor
 @conv2d_dgrad.register_fake
 def _(grad_out, weight, operands, epilogue, input_shape, stride, padding, dilation, provider):
     return dgrad_out(grad_out, weight, input_shape).empty()
+
+
+def batch_norm_backward_impl(grad_out: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor],
+                             save_mean: torch.Tensor, save_invstd: torch.Tensor, eps: float,
+                             provider: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _use_triton(x.device, provider):
+        from .. import kernels
+
+        _record("batch_norm_backward", "", "triton")
+        strides, grad_dtype = _bnb_layout(tuple(grad_out.shape), grad_out.stride(), x.stride(), x.dtype,
+                                          None if weight is None else weight.dtype, x.device)
+        dx = torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device)
+        dx, dw, db = kernels.batch_norm_backward(grad_out, x, weight, save_mean, save_invstd, (True, True, True), dx)
+        return dx, dw, db
+    _record("batch_norm_backward", "", "reference")
+    return _aten_bn_backward(grad_out, x, weight, save_mean, save_invstd, eps)
+
+
+batch_norm_backward = torch.library.custom_op("resfuse::batch_norm_backward", batch_norm_backward_impl,
+                                              mutates_args=())
+
+
+def _aten_bn_backward(grad_out, x, weight, save_mean, save_invstd, eps):
+    return aten.native_batch_norm_backward(grad_out, x, weight, None, None, save_mean, save_invstd, True, eps,
+                                           [True, True, True])
+
+
+@functools.lru_cache(maxsize=None)
+def _bnb_layout(shape, g_strides, x_strides, x_dtype, w_dtype, device) -> tuple:
+    """(grad_input's strides, the parameter gradients' dtype) as ATen gives them: grad_input's layout follows
+    grad_out's and x's (e.g. channels_last from a channels_last grad_out)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        g = torch.empty_strided(shape, g_strides, dtype=x_dtype, device=device)
+        x = torch.empty_strided(shape, x_strides, dtype=x_dtype, device=device)
+        w = None if w_dtype is None else torch.empty(shape[1], dtype=w_dtype, device=device)
+        stat = torch.empty(shape[1], device=device)
+        dx, dw, _ = _aten_bn_backward(g, x, w, stat, stat, 1e-5)
+    return dx.stride(), dw.dtype
+
+
+@batch_norm_backward.register_fake
+def _(grad_out, x, weight, save_mean, save_invstd, eps, provider):
+    dx, dw, db = _aten_bn_backward(grad_out, x, weight, save_mean, save_invstd, eps)
+    return torch.empty_like(dx), torch.empty_like(dw), torch.empty_like(db)

@@ -12,6 +12,7 @@ import torch.fx as fx
 
 from ..config import Config
 from .add_to_output import add_to_output
+from .bn_backward import batch_norm_backward
 from .match_epilogue import match_epilogue
 from .report import Report
 
@@ -43,6 +44,7 @@ def _collect(gm, ctx):
 PASSES = [
     ("match_epilogue", _epilogue),
     ("add_to_output", add_to_output),  # after match_epilogue: it extends the fused ops that pass made
+    ("bn_backward", batch_norm_backward),  # after the fusions: its grad_out is their dgrad's output
     ("report", _collect),  # last: reads the final graph
 ]
 

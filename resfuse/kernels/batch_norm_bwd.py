@@ -1,0 +1,204 @@
+"""Training batch-norm backward: what aten.native_batch_norm_backward(grad_out, x, weight, ..., save_mean,
+save_invstd, True, eps, output_mask) computes, in three deterministic passes over memory.
+
+Entry point: `batch_norm_backward(grad_out, x, weight, save_mean, save_invstd, output_mask, grad_input=None,
+config=None) -> (grad_input, grad_weight, grad_bias)`, reached through resfuse.kernels (ops/training.py calls it
+for the resfuse::batch_norm_backward op that passes/bn_backward.py puts in backward graphs).
+
+With g = grad_out, xmu = x - save_mean and M = N * H * W rows per channel:
+  1. `bnb_partials_kernel`, grid (row splits, channel blocks): per split, sum(g) and sum(g * xmu), added up in
+     per-lane fp32 registers and summed over the lanes once at the end (the statistics pass's shape, batch_norm.py).
+  2. `bnb_finalize_kernel`, grid (channel blocks): adds the splits up in a fixed order (no atomics, so the result
+     is bit-identical run to run); grad_bias = sum(g), grad_weight = sum(g * xmu) * invstd; and the per-channel
+     coefficients of grad_input = a * g + b * xmu + c, with a = weight * invstd, b = -a * invstd^2 * sum(g * xmu)
+     / M and c = -a * sum(g) / M (ATen's batch_norm_backward_elemt, rearranged).
+  3. `bnb_apply_kernel`, grid (row tiles, channel blocks): reads g and x once more and writes grad_input.
+
+x and grad_out are [N, C, *] at any strides whose [S, P, C] form is a view (contiguous, channels_last, [N, C]);
+others are read through a contiguous copy. grad_input is written at `grad_input`'s strides (ops/training.py
+allocates it as ATen would); the two parameter gradients in the weight's dtype (x's without a weight), None where
+output_mask says so. A NaN or Inf in a channel of g or x makes that channel's gradients NaN, as in eager.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import epilogue as epi
+from .batch_norm import TILE, BnConfig, BnProblem, _is_view3, _row_offsets, _sum_rows, default_config
+from .launch import plan_key, sm_count
+from .tiles import cdiv
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def bnb_partials_kernel(g, x, mean, ws, M, C, RPS, s_gs, s_gp, s_gc, s_xs, s_xp, s_xc, TILES_PER_SPLIT, SPLITS,
+                        BP: tl.constexpr, BC: tl.constexpr):
+    """sum(g) and sum(g * (x - mean)) of one split of rows for BC channels, into ws[3C + {0, SPLITS*C} + split*C + c]."""
+    pid_r = tl.program_id(0)
+    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    ok_c = offs_c < C
+    mu = tl.load(mean + offs_c, mask=ok_c, other=0.0)
+    t_lo = pid_r * TILES_PER_SPLIT
+    t_hi = tl.minimum(t_lo + TILES_PER_SPLIT, cdiv(M, BP))
+    s_g = tl.full([BP, BC], 0.0, dtype=tl.float32)
+    s_gx = tl.full([BP, BC], 0.0, dtype=tl.float32)
+    for t in range(t_lo, t_hi):
+        rows = t * BP + tl.arange(0, BP)
+        ok = (rows < M)[:, None] & ok_c[None, :]
+        gv = tl.load(g + _row_offsets(rows, RPS, s_gs, s_gp)[:, None] + (offs_c * s_gc)[None, :], mask=ok,
+                     other=0.0).to(tl.float32)
+        xv = tl.load(x + _row_offsets(rows, RPS, s_xs, s_xp)[:, None] + (offs_c * s_xc)[None, :], mask=ok,
+                     other=0.0).to(tl.float32)
+        s_g += gv
+        s_gx += tl.where(ok, gv * (xv - mu[None, :]), 0.0)
+    out = ws + 3 * C + pid_r * C + offs_c
+    tl.store(out, _sum_rows(s_g), mask=ok_c)
+    tl.store(out + SPLITS * C, _sum_rows(s_gx), mask=ok_c)
+
+
+@triton.jit
+def bnb_finalize_kernel(ws, invstd, w, grad_w, grad_b, M, C, SPLITS,
+                        BC: tl.constexpr, BR: tl.constexpr, HAS_W: tl.constexpr, WANT_W: tl.constexpr,
+                        WANT_B: tl.constexpr):
+    """Add the splits up for BC channels; write the parameter gradients and ws[0:3C] = (a, b, c)."""
+    offs_c = tl.program_id(0) * BC + tl.arange(0, BC)
+    ok_c = offs_c < C
+    part = ws + 3 * C
+    acc_g = tl.full([BR, BC], 0.0, dtype=tl.float32)
+    acc_gx = tl.full([BR, BC], 0.0, dtype=tl.float32)
+    for r0 in range(0, SPLITS, BR):
+        r = r0 + tl.arange(0, BR)
+        ok = (r < SPLITS)[:, None] & ok_c[None, :]
+        at = part + r[:, None] * C + offs_c[None, :]
+        acc_g += tl.load(at, mask=ok, other=0.0)
+        acc_gx += tl.load(at + SPLITS * C, mask=ok, other=0.0)
+    sum_g = _sum_rows(acc_g)
+    sum_gx = _sum_rows(acc_gx)
+    istd = tl.load(invstd + offs_c, mask=ok_c, other=0.0).to(tl.float32)
+    if WANT_W:
+        tl.store(grad_w + offs_c, (sum_gx * istd).to(grad_w.dtype.element_ty), mask=ok_c)
+    if WANT_B:
+        tl.store(grad_b + offs_c, sum_g.to(grad_b.dtype.element_ty), mask=ok_c)
+    a = istd
+    if HAS_W:
+        a = a * tl.load(w + offs_c, mask=ok_c, other=0.0).to(tl.float32)
+    tl.store(ws + offs_c, a, mask=ok_c)
+    tl.store(ws + C + offs_c, -a * istd * istd * sum_gx / M, mask=ok_c)
+    tl.store(ws + 2 * C + offs_c, -a * sum_g / M, mask=ok_c)
+
+
+@triton.jit
+def bnb_apply_kernel(g, x, mean, ws, dx, M, C, RPS, s_gs, s_gp, s_gc, s_xs, s_xp, s_xc, s_os, s_op, s_oc,
+                     BP: tl.constexpr, BC: tl.constexpr):
+    """grad_input = a * g + b * (x - mean) + c for a BP x BC tile."""
+    rows = tl.program_id(0) * BP + tl.arange(0, BP)
+    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    ok_c = offs_c < C
+    ok = (rows < M)[:, None] & ok_c[None, :]
+    gv = tl.load(g + _row_offsets(rows, RPS, s_gs, s_gp)[:, None] + (offs_c * s_gc)[None, :], mask=ok,
+                 other=0.0).to(tl.float32)
+    xv = tl.load(x + _row_offsets(rows, RPS, s_xs, s_xp)[:, None] + (offs_c * s_xc)[None, :], mask=ok,
+                 other=0.0).to(tl.float32)
+    mu = tl.load(mean + offs_c, mask=ok_c, other=0.0)
+    a = tl.load(ws + offs_c, mask=ok_c, other=0.0)
+    b = tl.load(ws + C + offs_c, mask=ok_c, other=0.0)
+    c = tl.load(ws + 2 * C + offs_c, mask=ok_c, other=0.0)
+    res = a[None, :] * gv + b[None, :] * (xv - mu[None, :]) + c[None, :]
+    tl.store(dx + _row_offsets(rows, RPS, s_os, s_op)[:, None] + (offs_c * s_oc)[None, :],
+             res.to(dx.dtype.element_ty), mask=ok)
+
+
+@dataclasses.dataclass
+class _BnbPlan:
+    """What one call needs that depends only on shapes, strides, dtypes and the config (see launch.Plan)."""
+    m: int
+    c: int
+    rps: int
+    copy: tuple  # (grad_out, x): read through a contiguous copy (no [S, P, C] view)
+    strides: tuple  # grad_out's, x's and grad_input's [S, P, C] strides, 9 ints
+    cfg: BnConfig
+    tiles_per_split: int
+    splits: int
+    finalize_c: int
+    grad_dtype: torch.dtype
+
+    def run(self, g, x, weight, save_mean, save_invstd, mask, dx):
+        g = g.contiguous() if self.copy[0] else g
+        x = x.contiguous() if self.copy[1] else x
+        f32 = {"dtype": torch.float32, "device": x.device}
+        ws = torch.empty(self.c * (3 + 2 * self.splits), **f32)  # per call: see batch_norm._BnPlan.run
+        grad_w = torch.empty(self.c, dtype=self.grad_dtype, device=x.device) if mask[1] else None
+        grad_b = torch.empty(self.c, dtype=self.grad_dtype, device=x.device) if mask[2] else None
+        cfg, blocks_c = self.cfg, triton.cdiv(self.c, self.cfg.block_c)
+        bnb_partials_kernel[(self.splits, blocks_c)](
+            g, x, save_mean, ws, self.m, self.c, self.rps, *self.strides[:6], self.tiles_per_split, self.splits,
+            BP=cfg.block_p, BC=cfg.block_c, num_warps=cfg.num_warps)
+        bnb_finalize_kernel[(triton.cdiv(self.c, self.finalize_c),)](
+            ws, save_invstd, *(t if t is not None else ws for t in (weight, grad_w, grad_b)), self.m, self.c,
+            self.splits, BC=self.finalize_c, BR=cfg.block_r, HAS_W=weight is not None, WANT_W=bool(mask[1]),
+            WANT_B=bool(mask[2]))
+        if mask[0]:
+            bnb_apply_kernel[(triton.cdiv(self.m, cfg.block_p), blocks_c)](
+                g, x, save_mean, ws, dx, self.m, self.c, self.rps, *self.strides, BP=cfg.block_p, BC=cfg.block_c,
+                num_warps=cfg.num_warps)
+        return (dx if mask[0] else None), grad_w, grad_b
+
+
+_PLANS: dict = {}
+
+
+def batch_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, weight, save_mean: torch.Tensor,
+                        save_invstd: torch.Tensor, output_mask, grad_input: torch.Tensor | None = None,
+                        config: BnConfig | None = None):
+    """Training batch-norm backward; see the module docstring. grad_input defaults to torch.empty_like(x)."""
+    mask = tuple(bool(m) for m in output_mask)
+    if mask[0] and grad_input is None:
+        grad_input = torch.empty_like(x)
+    key = plan_key("batch_norm_backward", mask, config, grad_out, x, weight, save_mean, save_invstd,
+                   grad_input if mask[0] else None)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _plan(grad_out, x, weight, save_mean, save_invstd, mask, grad_input, config)
+    return plan.run(grad_out, x, weight, save_mean, save_invstd, mask, grad_input)
+
+
+def _plan(g, x, weight, save_mean, save_invstd, mask, dx, config) -> _BnbPlan:
+    if x.dtype not in _DTYPES or g.dtype not in _DTYPES or x.dim() < 2:
+        raise TypeError(f"batch norm backward takes fp16/bf16/fp32 [N, C, *] tensors, got {g.dtype} and {x.dtype} "
+                        f"{tuple(x.shape)}")
+    if g.shape != x.shape or g.device != x.device:
+        raise ValueError(f"grad_out {tuple(g.shape)} on {g.device} must match x {tuple(x.shape)} on {x.device}")
+    if x.numel() == 0:
+        raise RuntimeError(f"batch norm backward input must have at least one element, got {tuple(x.shape)}")
+    c = x.shape[1]
+    for name, t in (("weight", weight), ("save_mean", save_mean), ("save_invstd", save_invstd)):
+        if t is not None and (t.shape != (c,) or t.device != x.device):
+            raise ValueError(f"{name} must be a [{c}] tensor on {x.device}, got {tuple(t.shape)} on {t.device}")
+    if save_mean.dtype != torch.float32 or save_invstd.dtype != torch.float32:
+        raise TypeError(f"save_mean and save_invstd must be fp32, got {save_mean.dtype}, {save_invstd.dtype}")
+    if mask[0]:
+        if dx.shape != x.shape or dx.device != x.device or dx.dtype not in _DTYPES:
+            raise ValueError(f"grad_input {tuple(dx.shape)} {dx.dtype} must match x {tuple(x.shape)}")
+        if not _is_view3(dx):
+            raise NotImplementedError(f"grad_input strides {dx.stride()} are not an [S, P, C] view")
+    copy = (not _is_view3(g), not _is_view3(x))
+    g3 = epi.rows3(g.contiguous() if copy[0] else g, g.shape, 1)
+    x3 = epi.rows3(x.contiguous() if copy[1] else x, x.shape, 1)
+    o3 = epi.rows3(dx, dx.shape, 1) if mask[0] else x3
+    s, rps, _ = x3.shape
+    m = s * rps
+    problem = BnProblem(m, c, rps, x3.stride(2) == 1, sm_count(x.device))
+    cfg = config or default_config(problem)
+    if not cfg.check(problem):
+        raise ValueError(f"illegal batch norm config {cfg}")
+    tiles_per_split = triton.cdiv(triton.cdiv(m, cfg.block_p), cfg.splits)
+    splits = triton.cdiv(triton.cdiv(m, cfg.block_p), tiles_per_split)  # no split left empty
+    finalize_c = min(cfg.block_c, max(1, TILE // cfg.block_r))
+    grad_dtype = weight.dtype if weight is not None else x.dtype  # what aten returns
+    return _BnbPlan(m, c, rps, copy, (*g3.stride(), *x3.stride(), *o3.stride()), cfg, tiles_per_split, splits,
+                    finalize_c, grad_dtype)
