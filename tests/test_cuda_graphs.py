@@ -76,6 +76,10 @@ def test_training_steps_under_graph_trees_match_eager():
     for (name, p), q in zip(eager.named_parameters(), mine.parameters()):
         assert rel(q, p) < 1e-3, name
     assert rel(mine.b2.running_var, eager.b2.running_var) < 1e-3
+    from resfuse.ops import PATHS
+
+    assert not [n for n in compiled.resfuse_report.notes if "without CUDA graphs" in n], compiled.resfuse_report.notes
+    assert PATHS[("batch_norm_backward", "", "triton")] > 0  # graphed with our batch-norm backward kernel
 
 
 def _fake_cuda_graph(fn):
