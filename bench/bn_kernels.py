@@ -88,7 +88,7 @@ def one_shape(shape, dtype, sweep: bool, sms: int) -> dict:
     def aten_bwd():
         return aten.native_batch_norm_backward(g, x, wt, rm, rv, mean, invstd, True, 1e-5, [True, True, True])
 
-    _, _, save_mean, save_var, reserve = aten.cudnn_batch_norm(x, wt, b, rm.clone(), rv.clone(), True, 0.1, 1e-5)
+    _, save_mean, save_var, reserve = aten.cudnn_batch_norm(x, wt, b, rm.clone(), rv.clone(), True, 0.1, 1e-5)
 
     def cudnn_bwd():
         return aten.cudnn_batch_norm_backward(x, g, wt, rm, rv, save_mean, save_var, 1e-5, reserve)
