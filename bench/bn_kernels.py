@@ -8,8 +8,8 @@ For each distinct [N, C, H, W] (channels_last) of torchvision's ResNet-50 at the
             and our graphs ran) and cuDNN's batch-norm backward (eager's; it needs cuDNN's forward reserve).
 Numerics are checked against aten in fp32 first. Times are triton.testing.do_bench medians (L2 flushed), and the
 bandwidth column is the minimal bytes (forward: x read twice, y written; backward: g and x twice, dx written)
-over the time. With --sweep it also times a grid of BnConfigs per shape and reports the best beside the
-default. Prints a per-step total table last; the rows go to DIR/bn_kernels.json.
+over the time. With --sweep it also times a grid of config rules (block_c, tile, programs per SM, warps) on every
+shape and reports each shape's best and the rules with the best per-step total. Prints a per-step total table last; the rows go to DIR/bn_kernels.json.
 """
 from __future__ import annotations
 
@@ -43,13 +43,17 @@ def resnet50_bn_shapes(batch: int) -> collections.Counter:
     return shapes
 
 
-def sweep_configs(c: int, sms: int):
-    for bc in (32, 64, 128):
-        for tile in (2048, 4096, 8192):
-            for per_sm in (2, 4, 8, 16):
-                for warps in (4, 8):
-                    splits = max(1, per_sm * sms // triton.cdiv(c, bc))
-                    yield BnConfig(tile // bc, bc, splits, min(triton.next_power_of_2(splits), 256), warps)
+RULES = [(bc, tile, per_sm, warps) for bc in (32, 64, 128) for tile in (2048, 4096, 8192) for per_sm in (2, 4, 8, 16)
+         for warps in (4, 8)]
+
+
+def rule_config(rule, c: int, m: int, sms: int) -> BnConfig:
+    """The config a shape-independent rule gives one shape, clipped to the channels as default_config clips."""
+    bc, tile, per_sm, warps = rule
+    bc = min(bc, triton.next_power_of_2(c))
+    bp = tile // bc
+    splits = max(1, min(triton.cdiv(m, bp), per_sm * sms // triton.cdiv(c, bc)))
+    return BnConfig(bp, bc, splits, min(triton.next_power_of_2(splits), 256), warps)
 
 
 def rel_err(got, want) -> float:
@@ -101,19 +105,20 @@ def one_shape(shape, dtype, sweep: bool, sms: int) -> dict:
         row[name] = bench(fn) * 1e3
     row["fwd_floor_gbs"] = 3 * numel / row["ours_fwd"] / 1e3
     row["bwd_floor_gbs"] = 5 * numel / row["ours_bwd"] / 1e3
-    if sweep:
-        best = {}
-        for cfg in sweep_configs(c, sms):
+    if sweep:  # every rule's time on this shape; main() picks the rule with the best per-step total
+        row["sweep"] = {}
+        for rule in RULES:
+            cfg = rule_config(rule, c, n * h * w, sms)
             for d, fn in (("fwd", ours_fwd), ("bwd", ours_bwd)):
                 try:
                     t = bench(lambda: fn(cfg)) * 1e3
                 except Exception as e:  # an illegal or failing config is skipped, and said so
                     print(f"  {shape} {cfg}: {type(e).__name__}: {e}")
                     continue
-                if d not in best or t < best[d][0]:
-                    best[d] = (t, str(cfg))
-        for d, (t, cfg) in best.items():
-            row[f"best_{d}"], row[f"best_{d}_cfg"] = t, cfg
+                row["sweep"][f"{d} {rule}"] = t
+        for d in ("fwd", "bwd"):
+            t, key = min((t, k) for k, t in row["sweep"].items() if k.startswith(d))
+            row[f"best_{d}"], row[f"best_{d}_rule"] = t, key
     return row
 
 
@@ -144,6 +149,12 @@ def main():
               + f"  {r['fwd_floor_gbs']:7.0f} {r['bwd_floor_gbs']:7.0f}  {r['fwd_err']:.1e}/{r['bwd_err']:.1e}")
     totals = {c: sum(r.get(c, 0) * r["count"] for r in rows) / 1e3 for c in cols}
     print(f"{'per step (ms)':>25} " + " ".join(f"{totals[c]:9.2f}" for c in cols))
+    if args.sweep:  # one rule for every shape, as default_config must be: the per-step total of each
+        for d in ("fwd", "bwd"):
+            keys = [k for k in rows[0]["sweep"] if k.startswith(d) and all(k in r["sweep"] for r in rows)]
+            step = sorted((sum(r["sweep"][k] * r["count"] for r in rows) / 1e3, k) for k in keys)
+            print(f"{d}: best rules (bc, tile, programs per SM, warps), ms per step: "
+                  + ", ".join(f"{k.split(' ', 1)[1]} {t:.2f}" for t, k in step[:5]))
 
 
 if __name__ == "__main__":
