@@ -6,7 +6,8 @@ For each distinct [N, C, H, W] (channels_last) of torchvision's ResNet-50 at the
             and cuDNN's batch norm + relu (what eager runs);
   backward: ours (kernels.batch_norm_backward) against aten.native_batch_norm_backward (what torch.compile's
             and our graphs ran) and cuDNN's batch-norm backward (eager's; it needs cuDNN's forward reserve).
-Numerics are checked against aten in fp32 first. Times are triton.testing.do_bench medians (L2 flushed), and the
+Numerics are checked against aten in fp32 first. Times are triton.testing.do_bench_cudagraph medians (each call replayed in a CUDA graph: GPU
+time, without the host's launch cost; --timer events for eager calls), and the
 bandwidth column is the minimal bytes (forward: x read twice, y written; backward: g and x twice, dx written)
 over the time. With --sweep it also times a grid of config rules (block_c, tile, programs per SM, warps) on every
 shape and reports each shape's best and the rules with the best per-step total. Prints a per-step total table last; the rows go to DIR/bn_kernels.json.
@@ -21,13 +22,14 @@ import sys
 
 import torch
 import triton
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from resfuse import kernels  # noqa: E402
 from resfuse.kernels.batch_norm import BnConfig  # noqa: E402
 
 aten = torch.ops.aten
+TIMER = "graph"
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -99,7 +101,11 @@ def one_shape(shape, dtype, sweep: bool, sms: int) -> dict:
 
     got, want = ours_bwd(), aten_bwd()
     row["bwd_err"] = max(rel_err(a, b_) for a, b_ in zip(got, want))
-    bench = lambda fn: do_bench(fn, warmup=10, rep=40)  # noqa: E731
+    def bench(fn):
+        if TIMER == "graph":  # GPU time alone: at small shapes the host's launches would be timed otherwise
+            return do_bench_cudagraph(fn, rep=40)
+        return do_bench(fn, warmup=10, rep=40)
+
     for name, fn in [("ours_fwd", ours_fwd), ("aten_fwd", aten_fwd), ("cudnn_fwd", cudnn_fwd),
                      ("ours_bwd", ours_bwd), ("aten_bwd", aten_bwd), ("cudnn_bwd", cudnn_bwd)]:
         row[name] = bench(fn) * 1e3
@@ -127,8 +133,13 @@ def main():
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--dtype", default="fp16", choices=sorted(DTYPES))
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--timer", choices=("graph", "events"), default="graph",
+                   help="graph: replay each call in a CUDA graph (GPU time, as training under graph trees sees "
+                        "it); events: eager calls, host launch time included")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
+    global TIMER
+    TIMER = args.timer
     dtype = DTYPES[args.dtype]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
