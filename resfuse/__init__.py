@@ -28,13 +28,16 @@ def last_report() -> Report | None:
     return _LAST[0] if _LAST else None
 
 
-def compile(model: torch.nn.Module, **config) -> torch.nn.Module:
-    """Compile `model` with resfuse. The module's `.resfuse_report` fills in as graphs are captured."""
+def compile(model: torch.nn.Module, *, dynamic: bool | None = None, **config) -> torch.nn.Module:
+    """Compile `model` with resfuse. The module's `.resfuse_report` fills in as graphs are captured.
+
+    `dynamic` is torch.compile's: None (default) captures the first shapes statically and, when a dim changes,
+    recaptures once with it symbolic (a batch dim stays fused); False captures every shape on its own."""
     from .capture.backend import make_backend
 
     cfg = Config.from_env(**config)
     report = Report()
-    compiled = torch.compile(model, backend=make_backend(cfg, report), dynamic=False)
+    compiled = torch.compile(model, backend=make_backend(cfg, report), dynamic=dynamic)
     compiled.resfuse_report = report
     compiled.resfuse_config = cfg
     return compiled

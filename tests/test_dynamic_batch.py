@@ -101,3 +101,24 @@ def test_a_dynamic_sequence_fuses_the_gemm_rows_but_not_the_view():
             torch._dynamo.mark_dynamic(x, 1)
             assert rel(compiled(x), mlp(x)) < 1e-4
     assert len(report.fusions) == 2 and not any("add" in f.ops and "full" in f.signature for f in report.fusions)
+
+
+def test_resfuse_compile_recaptures_once_for_a_new_batch_size():
+    """Without any mark, a second batch size recaptures once with a symbolic batch (torch.compile's dynamic=None),
+    which stays fused; ten batch sizes never reach dynamo's recompile limit (8), past which the model would run
+    eagerly without a word. dynamic=False captures each shape on its own."""
+    import resfuse
+
+    torch.manual_seed(1)
+    block = Block(c=5).eval()
+    for dynamic, captures in ((None, 2), (False, 3)):
+        torch._dynamo.reset()
+        compiled = resfuse.compile(block, dynamic=dynamic)
+        sizes = range(2, 12) if dynamic is None else range(2, 5)
+        with torch.no_grad():
+            for n in sizes:
+                x = torch.randn(n, 5, 7, 6)
+                assert rel(compiled(x), block(x)) < 1e-4
+        report = compiled.resfuse_report
+        assert len(report.graphs) == captures
+        assert len(report.fusions) == 4 * captures  # every capture fused all four ops, the symbolic one too
