@@ -112,9 +112,11 @@ def sweep(row_fn, patch_target: str, configs) -> list[tuple[str, float]]:
     try:
         for cfg in configs:
             setattr(launch, patch_target, lambda p, cfg=cfg: cfg)
+            launch._PLANS.clear()  # a cached plan holds the config it was built with
             found.append((str(cfg), row_fn()))
     finally:
         setattr(launch, patch_target, default)
+        launch._PLANS.clear()
     return found
 
 
