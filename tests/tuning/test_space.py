@@ -14,7 +14,9 @@ def gemm_call(a, b):
 def test_fast_level_offers_tma_variants_only_where_descriptors_can_read():
     aligned = gemm_call(torch.randn(100, 64).half(), torch.randn(96, 64).half().t())  # a linear layer's weight.T
     offered = space.configs(aligned, "fast")
-    assert sum(c.tma for c in offered) == 1 and sum(not c.tma for c in offered) >= 2
+    # the fast tiles run on the TMA mainloop; only the heuristic default keeps its pointer twin
+    assert [c.tma for c in offered].count(False) == 1 and not offered[0].tma and sum(c.tma for c in offered) >= 2
+    assert sum(c.tma for c in offered) == len(offered) - 1
     misaligned = gemm_call(torch.randn(100, 60).half(), torch.randn(60, 90).half())  # 120-byte rows
     assert not any(c.tma for c in space.configs(misaligned, "fast"))
     assert space.configs(aligned, "none") == [space.configs(aligned, "fast")[0]] and not space.configs(aligned, "none")[0].tma
@@ -35,5 +37,6 @@ def test_1x1_channels_last_convs_get_tma_variants_and_3x3_convs_do_not():
     x = torch.randn(2, 64, 7, 7).half().contiguous(memory_format=torch.channels_last)
     one = conv_call(x, torch.randn(256, 64, 1, 1).half(), [0, 0])
     three = conv_call(x, torch.randn(64, 64, 3, 3).half().contiguous(memory_format=torch.channels_last), [1, 1])
-    assert sum(c.tma for c in space.configs(one, "fast")) == 1
+    offered = space.configs(one, "fast")
+    assert [c.tma for c in offered].count(False) == 1 and len(offered) >= 3
     assert not any(c.tma for c in space.configs(three, "fast"))
