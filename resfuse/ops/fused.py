@@ -119,6 +119,9 @@ def conv2d_impl(x: torch.Tensor, weight: torch.Tensor, operands: Sequence[torch.
         call = Call("conv2d", (x, weight), list(operands), epilogue, (list(stride), list(padding), list(dilation)),
                     out)
         choice = choose(call)
+        if choice.provider == "triton" and groups_of(x, weight) != 1:
+            from ..tuning.choose import UNTUNED
+            choice = UNTUNED  # tuning=none's heuristic: our kernels are groups=1 only, cuDNN + the epilogue kernel
         _record("conv2d", epilogue, choice.provider)
         if choice.provider == "triton":
             return kernels.conv2d(x, weight, list(operands), epilogue, list(stride), list(padding), list(dilation),
@@ -139,8 +142,14 @@ conv2d = torch.library.custom_op("resfuse::conv2d", conv2d_impl, mutates_args=()
 
 def conv2d_reference(x, weight, operands, epilogue, stride, padding, dilation, out):
     """The unfused ATen path (cuDNN conv, then the epilogue as torch ops): the CPU path and the aten provider."""
-    acc = torch.ops.aten.convolution(x, weight, None, list(stride), list(padding), list(dilation), False, [0, 0], 1)
+    acc = torch.ops.aten.convolution(x, weight, None, list(stride), list(padding), list(dilation), False, [0, 0],
+                                     groups_of(x, weight))
     return _finish(acc, out, operands, epilogue, 1)
+
+
+def groups_of(x, weight) -> int:
+    """A conv's groups, from its shapes: the weight is [K, C / groups, R, S] (depthwise: C / groups = 1)."""
+    return x.shape[1] // weight.shape[1]
 
 
 @conv2d.register_fake

@@ -73,17 +73,20 @@ def _training_refusal(origin: fx.Node) -> str | None:
             return f"{legality.val(x).dim()}-D batch norm input (2-D and 4-D only)"
         return legality.first(legality.static_tensor(x), legality.supported_dtype(x))
     grad_out, x, w = origin.args[:3]
-    return legality.first(_conv_refusal(w, origin.args[7], origin.args[9]), legality.static_tensor(grad_out),
+    return legality.first(_conv_refusal(w, origin.args[7], origin.args[9], grouped_ok=False), legality.static_tensor(grad_out),
                           legality.static_tensor(x), *[legality.supported_dtype(a) for a in (grad_out, w)])
 
 
-def _conv_refusal(w: fx.Node, transposed: bool, groups: int) -> str | None:
+def _conv_refusal(w: fx.Node, transposed: bool, groups: int, grouped_ok: bool = True) -> str | None:
+    """Forward convs may be grouped (depthwise included): cuDNN runs the conv and our epilogue kernel the rest
+    (our conv kernels are groups=1; the triton and cudnn providers refuse such calls). The dgrad kernel and
+    its anchor are groups=1."""
     if transposed:
         return "transposed convolution not supported"
     if legality.val(w) is not None and legality.val(w).dim() != 4:
         return f"{legality.val(w).dim() - 2}-D convolution not supported (2-D only)"
-    if groups != 1:
-        return f"grouped convolution (groups={groups}) not supported yet"
+    if groups != 1 and not grouped_ok:
+        return f"grouped convolution's data gradient (groups={groups}) not supported yet"
     return None
 
 

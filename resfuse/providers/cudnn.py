@@ -46,6 +46,8 @@ def _unsupported(tree: epi.Node) -> str | None:
 def refusal(call) -> str | None:
     if call.op != "conv2d":
         return "cuDNN graphs are built for conv2d forward only"
+    if call.inputs[0].shape[1] != call.inputs[1].shape[1]:
+        return "grouped convolution (the graph's conv_fprop is built for groups=1)"
     if call.out.device.type != "cuda":
         return f"cuDNN needs a CUDA device, not {call.out.device}"
     if _cudnn() is None:

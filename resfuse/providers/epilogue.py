@@ -29,8 +29,11 @@ def run(call) -> torch.Tensor:
 
 def _accumulator(call) -> tuple[torch.Tensor, int]:
     if call.op == "conv2d":
+        from ..ops.fused import groups_of
+
         stride, padding, dilation = call.params
-        return torch.ops.aten.convolution(*call.inputs, None, stride, padding, dilation, False, [0, 0], 1), 1
+        return torch.ops.aten.convolution(*call.inputs, None, stride, padding, dilation, False, [0, 0],
+                                          groups_of(*call.inputs)), 1
     if call.op == "conv2d_dgrad":
         from ..ops.training import cudnn_dgrad
 

@@ -100,10 +100,15 @@ def test_mutation_is_refused():
     assert rel(gm(x, w, r1), fn(x, w, r2)) < 1e-5 and torch.equal(r1, r2)
 
 
-def test_grouped_and_1d_convs_are_reported():
-    x, w = torch.randn(2, 4, 6, 6), torch.randn(4, 1, 3, 3)
-    gm, report = run(lambda x, w: torch.relu(F.conv2d(x, w, padding=1, groups=4)), x, w)
-    assert fused_patterns(report) == [] and "groups=4" in reasons(report)
+def test_grouped_convs_fuse_and_1d_convs_are_reported():
+    """A grouped conv (depthwise, or groups=2) fuses its epilogue (cuDNN runs the conv: our conv kernels are
+    groups=1); a 1-D conv is refused with its reason."""
+    for c_in, groups in ((4, 4), (6, 2)):
+        x, w = torch.randn(2, c_in, 6, 6), torch.randn(4, c_in // groups, 3, 3)
+        fn = lambda x, w: torch.relu(F.conv2d(x, w, padding=1, groups=groups))  # noqa: E731
+        gm, report = run(fn, x, w)
+        assert fused_patterns(report) == ["conv2d_relu"] and not report.rejected
+        assert rel(gm(x, w), fn(x, w)) < 1e-5
     x1, w1 = torch.randn(2, 4, 9), torch.randn(4, 4, 3)
     gm, report = run(lambda x, w: torch.relu(F.conv1d(x, w)), x1, w1)
     assert fused_patterns(report) == [] and "2-D only" in reasons(report)
