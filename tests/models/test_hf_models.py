@@ -48,12 +48,13 @@ def test_bert_base_fuses_biases_gelu_and_residual_adds():
     assert all("embedding" in r.reason for r in report.rejected)
 
 
-def test_convnext_tiny_fuses_pointwise_chains_and_reports_depthwise():
+def test_convnext_tiny_fuses_pointwise_chains_and_depthwise_convs():
     torch.manual_seed(0)
     model = transformers.ConvNextModel(transformers.ConvNextConfig()).eval()
     report, err = compile_and_compare(model, torch.randn(1, 3, 64, 64))
     assert err <= 1e-4
     assert sum(f.ops == ["bias", "gelu"] for f in report.fusions) == 18  # every block's MLP up-projection
     assert sum(f.ops == ["bias", "mul"] for f in report.fusions) == 18  # down-projection with layer scale
-    depthwise = [r for r in report.rejected if "groups=" in r.reason]
-    assert len(depthwise) == 18
+    # every block's depthwise 7x7 conv absorbs its bias (cuDNN runs the conv, our epilogue kernel the bias)
+    depthwise = [f for f in report.fusions if f.anchor == "conv2d" and f.shapes["inputs"][1][1] == 1]
+    assert len(depthwise) == 18 and all(f.ops == ["bias"] for f in depthwise)
