@@ -153,13 +153,40 @@ def _tunable(device: torch.device) -> bool:
     return device.type == "cuda"  # interpreter timings on CPU say nothing about a GPU
 
 
-def _bench(fn) -> float:
+def _bench(fn, rep_s: float = 5e-3, retries: int = 5) -> float:
     """Device time of one call, replayed from a CUDA graph: the host cost of launching is not the kernel's
     (resfuse is deployed with cuda_graphs=True where launches matter), and the Python of the unfused path
-    would otherwise dwarf its kernels."""
-    import triton.testing
+    would otherwise dwarf its kernels.
 
-    return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") / 1e3
+    triton.testing.do_bench_cudagraph sizes its graph from eager calls, which are host-bound here (a 10 us
+    kernel behind 60 us of Python gets a graph of 300+ calls), and replays it 10 times for 20 ms: about 0.2 s
+    of each candidate, most of a cold tuning's minute. Here the estimate comes from replaying a one-call graph,
+    and a graph of at most 100 calls is replayed `retries` times for about `rep_s` each; the median counts."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()  # warm-up and lazy initialisation, outside any capture
+        one = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(one):
+            fn()
+        estimate = _replay_s(one, 3)
+        n = max(1, min(100, int(rep_s / max(estimate, 1e-7))))
+        many = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(many):
+            for _ in range(n):
+                fn()
+        times = sorted(_replay_s(many, 1) / n for _ in range(retries))
+    return times[len(times) // 2]
+
+
+def _replay_s(graph, count: int) -> float:
+    """Seconds per replay of `graph`, over `count` back-to-back replays timed with CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(count):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / count
 
 
 def tune(call: Call, *, bench, level: str, budget_s: float = float("inf"), report=print) -> Entry | None:
