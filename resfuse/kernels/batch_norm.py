@@ -289,14 +289,8 @@ def _plan(x, weight, bias, running_mean, running_var, operands, signature, out, 
     y3 = epi.rows3(y, y.shape, 1)
     copy_x = not _is_view3(x)
     x3 = epi.rows3(x.contiguous() if copy_x else x, x.shape, 1)
-    s, rps, _ = x3.shape
-    m = s * rps
-    problem = BnProblem(m, c, rps, x3.stride(2) == 1, sm_count(x.device))
-    cfg = config or default_config(problem)
-    if not cfg.check(problem):
-        raise ValueError(f"illegal batch norm config {cfg}")
-    tiles_per_split = triton.cdiv(triton.cdiv(m, cfg.block_p), cfg.splits)
-    splits = triton.cdiv(triton.cdiv(m, cfg.block_p), tiles_per_split)  # no split left empty
+    rps = x3.shape[1]
+    cfg, m, tiles_per_split, splits = row_splits(x3, x.device, config)
     tiles = triton.cdiv(m, cfg.block_p) * triton.cdiv(c, cfg.block_c)
     head = [m, c, rps, *x3.stride(), y3.stride(0), y3.stride(1), y3.stride(2)]
     meta = {"BM": cfg.block_p, "BN": cfg.block_c, "SPLIT_K": 1, "num_warps": cfg.num_warps}
@@ -305,6 +299,20 @@ def _plan(x, weight, bias, running_mean, running_var, operands, signature, out, 
     finalize_c = min(cfg.block_c, max(1, TILE // cfg.block_r))
     return _BnPlan(m, c, rps, x3.stride(), copy_x, y_format, cfg, tiles_per_split, splits, finalize_c,
                    weight is not None, bias is not None, running_mean is not None, apply)
+
+
+def row_splits(x3: torch.Tensor, device: torch.device, config: BnConfig | None) -> tuple:
+    """(config, rows, tiles per split, splits) for the [S, P, C] view x3: the statistics passes' row split, shared
+    with the backward kernels."""
+    s, rps, c = x3.shape
+    m = s * rps
+    problem = BnProblem(m, c, rps, x3.stride(2) == 1, sm_count(device))
+    cfg = config or default_config(problem)
+    if not cfg.check(problem):
+        raise ValueError(f"illegal batch norm config {cfg}")
+    tiles_per_split = triton.cdiv(triton.cdiv(m, cfg.block_p), cfg.splits)
+    splits = triton.cdiv(triton.cdiv(m, cfg.block_p), tiles_per_split)  # no split left empty
+    return cfg, m, tiles_per_split, splits
 
 
 def _is_view3(t: torch.Tensor) -> bool:

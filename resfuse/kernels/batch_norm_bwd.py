@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from .. import epilogue as epi
-from .batch_norm import TILE, BnConfig, BnProblem, _is_view3, _row_offsets, _sum_rows, default_config
-from .launch import plan_key, sm_count
+from .batch_norm import TILE, BnConfig, _is_view3, _row_offsets, _sum_rows, row_splits
+from .launch import plan_key
 from .tiles import cdiv
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -190,14 +190,8 @@ def _plan(g, x, weight, save_mean, save_invstd, mask, dx, config) -> _BnbPlan:
     g3 = epi.rows3(g.contiguous() if copy[0] else g, g.shape, 1)
     x3 = epi.rows3(x.contiguous() if copy[1] else x, x.shape, 1)
     o3 = epi.rows3(dx, dx.shape, 1) if mask[0] else x3
-    s, rps, _ = x3.shape
-    m = s * rps
-    problem = BnProblem(m, c, rps, x3.stride(2) == 1, sm_count(x.device))
-    cfg = config or default_config(problem)
-    if not cfg.check(problem):
-        raise ValueError(f"illegal batch norm config {cfg}")
-    tiles_per_split = triton.cdiv(triton.cdiv(m, cfg.block_p), cfg.splits)
-    splits = triton.cdiv(triton.cdiv(m, cfg.block_p), tiles_per_split)  # no split left empty
+    rps = x3.shape[1]
+    cfg, m, tiles_per_split, splits = row_splits(x3, x.device, config)
     finalize_c = min(cfg.block_c, max(1, TILE // cfg.block_r))
     grad_dtype = weight.dtype if weight is not None else x.dtype  # what aten returns
     return _BnbPlan(m, c, rps, copy, (*g3.stride(), *x3.stride(), *o3.stride()), cfg, tiles_per_split, splits,
