@@ -1,4 +1,6 @@
 """Public API: the backend by name, resfuse.compile, switches, fallbacks for bad input, channels_last."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -163,3 +165,29 @@ def test_odd_input_layout_never_gives_a_wrong_number(block):
     compiled = resfuse.compile(block)
     with torch.no_grad():
         assert rel(compiled(x), block(x)) < 1e-5
+
+
+def test_a_linear_on_a_1d_input_and_batch_norm_without_affine():
+    """Edge cases found by fuzzing: a linear layer on a 1-D input (aot's [1, N] product viewed back to [N]: the
+    view is not absorbed; it crashed the fused op) and training batch norm with affine=False (no weight: the
+    report's shapes crashed the passes, and the graph ran unfused)."""
+    import resfuse
+
+    torch.manual_seed(3)
+    lin = nn.Sequential(nn.Linear(6, 5), nn.ReLU())
+    torch._dynamo.reset()
+    compiled = resfuse.compile(lin)
+    x = torch.randn(6)
+    assert compiled(x).shape == (5,) and rel(compiled(x), lin(x)) < 1e-6
+    assert [f.pattern for f in compiled.resfuse_report.fusions] == ["gemm_bias"]
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4, affine=False), nn.ReLU()).train()
+    twin = copy.deepcopy(net)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(net)
+    x = torch.randn(2, 3, 5, 5)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    compiled(x1).square().sum().backward()
+    twin(x2).square().sum().backward()
+    report = compiled.resfuse_report
+    assert not report.errors and any(f.anchor == "batch_norm" for f in report.fusions)
+    assert rel(x1.grad, x2.grad) < 1e-4 and rel(net[0].weight.grad, twin[0].weight.grad) < 1e-4

@@ -156,9 +156,9 @@ def _step(g: Group, node: fx.Node, ctx) -> tuple | str | None:
         return g.tree, None, ()  # eval-mode dropout: a copy that keeps the values and the layout
     if t in VIEWS and g.anchor == "gemm":
         shape = list(legality.val(node).shape)
-        if (g.out_val.dim() != 2 or shape[-1] != g.out_val.shape[-1] or not g.out_val.is_contiguous()
-                or legality.static_tensor(node)):
-            return None  # not a 2-D product's rows re-batched (or with a dynamic inner dim): the chain ends here
+        if (g.out_val.dim() != 2 or len(shape) < 2 or shape[-1] != g.out_val.shape[-1]
+                or not g.out_val.is_contiguous() or legality.static_tensor(node)):
+            return None  # not a 2-D product's rows re-batched (a 1-D linear's [1, N] -> [N] is not; nor a dynamic inner dim)
         g.params = (legality.shape_param(shape),)
         return g.tree, None, ()
     return None

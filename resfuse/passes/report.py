@@ -61,6 +61,11 @@ def bytes_saved(tree: epi.Node, out: torch.Tensor) -> int:
     return (unfused(tree) - n_full) * out.numel() * out.element_size()
 
 
+def _shape(node) -> tuple | None:
+    v = legality.val(node)
+    return None if v is None else tuple(v.shape)  # None: an absent argument (batch norm without affine)
+
+
 @dataclasses.dataclass
 class Report:
     fusions: list[Fusion] = dataclasses.field(default_factory=list)
@@ -88,7 +93,7 @@ class Report:
             val = node.meta["val"]
             tree, out = epi.parse(sig), val[0] if isinstance(val, tuple) else val
             ops = epi.pattern_ops(tree)
-            shapes = {"inputs": [tuple(legality.val(a).shape) for a in node.args[:2]], "out": tuple(out.shape)}
+            shapes = {"inputs": [_shape(a) for a in node.args[:2]], "out": tuple(out.shape)}
             before = {p: n for (op, s, p), n in PATHS.items() if op == info["anchor"] and s == sig}
             self.fusions.append(Fusion(graph, info["anchor"], ops, "_".join([info["anchor"], *ops]),
                                        info["sources"], shapes, bytes_saved(tree, out), sig,
