@@ -239,7 +239,7 @@ def rows3(t: torch.Tensor, out_shape, channel_dim: int) -> torch.Tensor:
     t = t.expand(out_shape).movedim(channel_dim, -1)
     if t.dim() == 2:
         return t.unsqueeze(0)
-    return t.reshape(t.shape[0], -1, t.shape[-1])
+    return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])  # not -1: ambiguous for a 0 batch
 
 
 def operand_views(tree: Node, tensors, out_shape, channel_dim: int) -> list[torch.Tensor]:

@@ -191,3 +191,20 @@ def test_a_linear_on_a_1d_input_and_batch_norm_without_affine():
     report = compiled.resfuse_report
     assert not report.errors and any(f.anchor == "batch_norm" for f in report.fusions)
     assert rel(x1.grad, x2.grad) < 1e-4 and rel(net[0].weight.grad, twin[0].weight.grad) < 1e-4
+
+
+def test_an_empty_batch_gives_empty_outputs_and_gradients():
+    """A batch of 0 (the fused ops' [S, P, C] view reshaped with -1 was ambiguous and raised)."""
+    import resfuse
+
+    torch.manual_seed(4)
+    for net, shape in ((nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU()), (0, 4, 5, 5)),
+                       (nn.Sequential(nn.Linear(8, 8), nn.ReLU()), (0, 3, 8))):
+        torch._dynamo.reset()
+        compiled = resfuse.compile(net)
+        x = torch.randn(shape, requires_grad=True)
+        out = compiled(x)
+        assert out.shape == net(x).shape and out.numel() == 0
+        out.sum().backward()
+        assert x.grad.shape == x.shape
+        assert compiled.resfuse_report.fusions and not compiled.resfuse_report.errors
