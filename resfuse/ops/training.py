@@ -92,6 +92,9 @@ def conv2d_dgrad_impl(grad_out: torch.Tensor, weight: torch.Tensor, operands: Se
         call = Call("conv2d_dgrad", (grad_out, weight), list(operands), epilogue,
                     (list(stride), list(padding), list(dilation)), out)
         choice = choose(call)  # the tuner weighs our kernel against cuDNN's dgrad + our epilogue kernel
+        if choice.provider == "triton" and out.shape[1] != weight.shape[1]:
+            from ..tuning.choose import UNTUNED
+            choice = UNTUNED  # a grouped conv's dgrad: our kernel is groups=1; cuDNN's + the epilogue kernel
         _record("conv2d_dgrad", epilogue, choice.provider)
         if choice.provider == "triton":
             return kernels.conv2d_dgrad(grad_out, weight, list(operands), epilogue, list(stride), list(padding),
@@ -120,8 +123,9 @@ def cudnn_dgrad(grad_out, weight, input_shape, stride, padding, dilation) -> tor
     (14 ms of a ResNet-50 bs256 training step, and the op's extra 1.29 GB)."""
     output_padding = [i - ((o - 1) * st - 2 * p + d * (k - 1) + 1) for i, o, st, p, d, k in
                       zip(input_shape[2:], grad_out.shape[2:], stride, padding, dilation, weight.shape[2:])]
+    groups = input_shape[1] // weight.shape[1]  # the weight is [K, C / groups, R, S], as a transposed conv wants
     return aten.convolution(grad_out, weight, None, list(stride), list(padding), list(dilation), True,
-                            output_padding, 1)
+                            output_padding, groups)
 
 
 @conv2d_dgrad.register_fake

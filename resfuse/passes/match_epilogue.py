@@ -73,20 +73,18 @@ def _training_refusal(origin: fx.Node) -> str | None:
             return f"{legality.val(x).dim()}-D batch norm input (2-D and 4-D only)"
         return legality.first(legality.static_tensor(x), legality.supported_dtype(x))
     grad_out, x, w = origin.args[:3]
-    return legality.first(_conv_refusal(w, origin.args[7], origin.args[9], grouped_ok=False), legality.static_tensor(grad_out),
+    return legality.first(_conv_refusal(w, origin.args[7]), legality.static_tensor(grad_out),
                           legality.static_tensor(x), *[legality.supported_dtype(a) for a in (grad_out, w)])
 
 
-def _conv_refusal(w: fx.Node, transposed: bool, groups: int, grouped_ok: bool = True) -> str | None:
-    """Forward convs may be grouped (depthwise included): cuDNN runs the conv and our epilogue kernel the rest
-    (our conv kernels are groups=1; the triton and cudnn providers refuse such calls). The dgrad kernel and
-    its anchor are groups=1."""
+def _conv_refusal(w: fx.Node, transposed: bool) -> str | None:
+    """Convs and their data gradients may be grouped (depthwise included): cuDNN runs the conv and our epilogue
+    kernel the rest (our conv and dgrad kernels are groups=1; the triton and cudnn providers refuse such
+    calls). Groups are implied by the shapes, so the fused ops take no argument for them."""
     if transposed:
         return "transposed convolution not supported"
     if legality.val(w) is not None and legality.val(w).dim() != 4:
         return f"{legality.val(w).dim() - 2}-D convolution not supported (2-D only)"
-    if groups != 1 and not grouped_ok:
-        return f"grouped convolution's data gradient (groups={groups}) not supported yet"
     return None
 
 
@@ -96,7 +94,7 @@ def anchor_refusal(node: fx.Node) -> str | None:
     if origin is not None:
         return _training_refusal(origin)
     if node.target == aten.convolution.default:
-        why = _conv_refusal(node.args[1], node.args[6], node.args[8])
+        why = _conv_refusal(node.args[1], node.args[6])
         if why:
             return why
     if node.target == aten.addmm.default and legality.static_tensor(node.args[0]) is None:

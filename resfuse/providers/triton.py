@@ -16,6 +16,8 @@ def refusal(call) -> str | None:
         return f"no Triton kernels on {call.out.device}"
     if call.op == "conv2d" and call.inputs[0].shape[1] != call.inputs[1].shape[1]:
         return "grouped convolution"
+    if call.op == "conv2d_dgrad" and call.out.shape[1] != call.inputs[1].shape[1]:
+        return "grouped convolution's data gradient"
     return None
 
 

@@ -56,7 +56,8 @@ def test_random_residual_nets_train_like_eager_through_the_triton_kernels(net, s
     report = check_one_step(net, seed, interpret=True)
     for f in report.fusions:  # a grouped conv runs cuDNN (ATen on CPU) + our epilogue kernel; the rest ours
         x_shape, w_shape = f.shapes["inputs"]  # (paths are counted per signature, which convs may share)
-        grouped = f.anchor == "conv2d" and x_shape[1] != w_shape[1]
+        c_in = f.shapes["out"][1] if f.anchor == "conv2d_dgrad" else x_shape[1]  # dgrad: out is grad_input
+        grouped = f.anchor in ("conv2d", "conv2d_dgrad") and c_in != w_shape[1]
         ran = set(f.ran.split(","))
         assert ran <= {"triton", "epilogue"} and ("epilogue" if grouped else "triton") in ran, f
 
