@@ -119,9 +119,6 @@ def conv2d_impl(x: torch.Tensor, weight: torch.Tensor, operands: Sequence[torch.
         call = Call("conv2d", (x, weight), list(operands), epilogue, (list(stride), list(padding), list(dilation)),
                     out)
         choice = choose(call)
-        if choice.provider == "triton" and groups_of(x, weight) != 1:
-            from ..tuning.choose import UNTUNED
-            choice = UNTUNED  # tuning=none's heuristic: our kernels are groups=1 only, cuDNN + the epilogue kernel
         _record("conv2d", epilogue, choice.provider)
         if choice.provider == "triton":
             return kernels.conv2d(x, weight, list(operands), epilogue, list(stride), list(padding), list(dilation),

@@ -92,9 +92,6 @@ def conv2d_dgrad_impl(grad_out: torch.Tensor, weight: torch.Tensor, operands: Se
         call = Call("conv2d_dgrad", (grad_out, weight), list(operands), epilogue,
                     (list(stride), list(padding), list(dilation)), out)
         choice = choose(call)  # the tuner weighs our kernel against cuDNN's dgrad + our epilogue kernel
-        if choice.provider == "triton" and out.shape[1] != weight.shape[1]:
-            from ..tuning.choose import UNTUNED
-            choice = UNTUNED  # a grouped conv's dgrad: our kernel is groups=1; cuDNN's + the epilogue kernel
         _record("conv2d_dgrad", epilogue, choice.provider)
         if choice.provider == "triton":
             return kernels.conv2d_dgrad(grad_out, weight, list(operands), epilogue, list(stride), list(padding),
@@ -140,8 +137,7 @@ def batch_norm_backward_impl(grad_out: torch.Tensor, x: torch.Tensor, weight: Op
         from .. import kernels
 
         _record("batch_norm_backward", "", "triton")
-        strides, grad_dtype = _bnb_layout(tuple(grad_out.shape), grad_out.stride(), x.stride(), x.dtype,
-                                          None if weight is None else weight.dtype, x.device)
+        strides = _grad_input_strides(tuple(grad_out.shape), grad_out.stride(), x.stride(), x.dtype, x.device)
         dx = torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device)
         dx, dw, db = kernels.batch_norm_backward(grad_out, x, weight, save_mean, save_invstd, (True, True, True), dx)
         return dx, dw, db
@@ -159,18 +155,16 @@ def _aten_bn_backward(grad_out, x, weight, save_mean, save_invstd, eps):
 
 
 @functools.lru_cache(maxsize=None)
-def _bnb_layout(shape, g_strides, x_strides, x_dtype, w_dtype, device) -> tuple:
-    """(grad_input's strides, the parameter gradients' dtype) as ATen gives them: grad_input's layout follows
-    grad_out's and x's (e.g. channels_last from a channels_last grad_out)."""
+def _grad_input_strides(shape, g_strides, x_strides, x_dtype, device) -> tuple:
+    """grad_input's strides as ATen gives them: its layout follows grad_out's and x's (e.g. channels_last from a
+    channels_last grad_out). The parameter gradients' dtype (the weight's, else x's) the kernel matches itself."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
         g = torch.empty_strided(shape, g_strides, dtype=x_dtype, device=device)
         x = torch.empty_strided(shape, x_strides, dtype=x_dtype, device=device)
-        w = None if w_dtype is None else torch.empty(shape[1], dtype=w_dtype, device=device)
         stat = torch.empty(shape[1], device=device)
-        dx, dw, _ = _aten_bn_backward(g, x, w, stat, stat, 1e-5)
-    return dx.stride(), dw.dtype
+        return _aten_bn_backward(g, x, None, stat, stat, 1e-5)[0].stride()
 
 
 @batch_norm_backward.register_fake

@@ -7,7 +7,8 @@ the measurement itself (tests inject the benchmarker).
 Order of lookup: this process's choices, then the SQLite cache (tuning/cache.py), then tuning with the
 two-stage selection (select.py) over the providers' candidates, stored unless the budget ran out (an op
 with no candidate that matches the reference runs the unfused ATen path, remembered in-process). With
-level "none", or on CPU (interpreter timings mean nothing), the heuristic Triton config runs; once a
+level "none", or on CPU (interpreter timings mean nothing), the heuristic Triton config runs (or, where our
+kernels refuse the op, a grouped conv, cuDNN + our epilogue kernel); once a
 compile's wall-clock budget is spent, the cuDNN/cuBLAS anchor with our epilogue kernel runs (UNTUNED). In
 both cases nothing is stored.
 """
@@ -93,7 +94,8 @@ def _config(op: str, fields: dict):
 def choose(call: Call) -> Choice:
     level = _SETTINGS["level"]
     if level == "none" or not _tunable(call.out.device):
-        return HEURISTIC
+        # our kernel's heuristic config, where our kernel takes the op (a grouped conv it refuses)
+        return HEURISTIC if providers.triton.refusal(call) is None else UNTUNED
     fast = _fast_key(call)  # every call passes here: no hashing, no device queries
     if fast in _CHOICES:
         return _CHOICES[fast]
