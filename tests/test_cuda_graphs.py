@@ -18,6 +18,81 @@ def test_cpu_inputs_run_the_function_as_it_is():
     assert torch.equal(wrapped([x])[0], x * 2) and len(seen) == 1 and wrapped.graph is None
 
 
+class _FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on CPU: the function under capture registers how to recompute its
+    output in place from the static inputs, which is what replaying a real graph does."""
+    capturing = None
+    made = 0
+
+    def __init__(self):
+        _FakeGraph.made += 1
+        self.work = None
+
+    def replay(self):
+        self.work()
+
+
+def _fake_cuda(monkeypatch):
+    import contextlib
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    @contextlib.contextmanager
+    def graph(g):
+        _FakeGraph.capturing = g
+        yield
+        _FakeGraph.capturing = None
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    _FakeGraph.made = 0
+
+
+def test_each_input_signature_keeps_its_graph(monkeypatch):
+    """A dynamic batch alternating between sizes replays each size's graph without capturing again; past
+    MAX_SIGNATURES the least recently used graph goes; a moved parameter re-captures (fake CUDA graphs)."""
+    _fake_cuda(monkeypatch)
+    calls = []
+
+    def fn(args):
+        x, w = args
+        calls.append(x.shape[0])
+        out = x * w
+        if _FakeGraph.capturing is not None:
+            _FakeGraph.capturing.work = lambda: out.copy_(x * w)
+        return [out]
+
+    class OnCuda(CudaGraphed):
+        MAX_SIGNATURES = 2
+
+        @staticmethod
+        def _on_cuda(args):
+            return True
+
+    wrapped, w = OnCuda(fn), torch.randn(4)
+    for step in range(6):  # batch sizes 2, 3, 2, 3, ...: two first calls, two captures, then replays only
+        x = torch.randn(2 + step % 2, 4)
+        assert torch.equal(wrapped([x, w])[0], x * w)
+    assert _FakeGraph.made == 2 and len(wrapped.captures) == 2
+    ran = len(calls)
+    for step in range(4):
+        x = torch.randn(2 + step % 2, 4)
+        assert torch.equal(wrapped([x, w])[0], x * w)
+    assert len(calls) == ran and _FakeGraph.made == 2  # replays: the function itself never ran again
+    x5 = torch.randn(5, 4)
+    wrapped([x5, w])  # a third size: the least recently used (batch 2) goes
+    assert {sig[0][0][0] for sig in wrapped.captures} == {3, 5}
+    w2 = torch.randn(4)  # a parameter that moved: batch 3 captures again, and reads the new one
+    x3 = torch.randn(3, 4)
+    wrapped([x3, w2])
+    assert torch.equal(wrapped([x3, w2])[0], x3 * w2) and _FakeGraph.made == 3
+
+
 @pytest.mark.parametrize("cuda_graphs", [False, True])
 def test_compiled_graphs_empty_their_input_list(cuda_graphs):
     """aot_autograd hands a backward graph the saved activations in a list; unless the graph empties it, they

@@ -9,8 +9,9 @@ Inference (CudaGraphed):
 Call 1 runs `fn` eagerly (it builds the kernels) and records each input's address. Call 2 captures: an
 input at the same address both times is a parameter or buffer and the graph reads it in place; any other
 input gets a static copy that later calls refresh. Every later call copies the changing inputs in, replays,
-and returns copies of the outputs, so a caller may keep them across calls. A new shape or dtype, or a
-parameter that moved, re-captures. CPU inputs run `fn` as it is.
+and returns copies of the outputs, so a caller may keep them across calls. Each input signature (shapes,
+dtypes, strides) has its own graph, so a dynamic batch alternating between sizes replays without capturing
+again; a parameter that moved re-captures. CPU inputs run `fn` as it is.
 """
 from __future__ import annotations
 
@@ -18,58 +19,75 @@ import torch
 import torch.fx as fx
 
 
+class _Capture:
+    """The captured graph of one input signature (shapes, dtypes, strides, devices), and what replaying it needs."""
+
+    def __init__(self):
+        self.first_ptrs, self.graph, self.outputs = None, None, None
+        self.static, self.copied, self.static_ptrs = [], [], []
+
+
 class CudaGraphed:
-    """Boxed, like `fn`: called with a list of inputs, which it empties."""
+    """Boxed, like `fn`: called with a list of inputs, which it empties. One graph per input signature (a
+    dynamic batch brings several), at most MAX_SIGNATURES of them; past that the least recently used goes."""
     _boxed_call = True
+    MAX_SIGNATURES = 8
 
     def __init__(self, fn):
         self.fn = fn
-        self._reset(None)
+        self.captures: dict[tuple, _Capture] = {}  # least recently used first
 
-    def _reset(self, signature) -> None:
-        self.signature, self.first_ptrs, self.graph = signature, None, None
-        self.static, self.copied, self.outputs = [], [], None
+    @property
+    def graph(self):
+        """The most recently used signature's graph (None before its second call)."""
+        return next(reversed(self.captures.values())).graph if self.captures else None
 
     @staticmethod
     def _signature(args) -> tuple:
         return tuple((a.shape, a.dtype, a.stride(), a.device) if isinstance(a, torch.Tensor) else a for a in args)
 
-    def _capture(self, args) -> None:
+    @staticmethod
+    def _on_cuda(args) -> bool:
+        return any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+
+    def _capture(self, cap: _Capture, args) -> None:
         ptrs = [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args]
-        self.copied = [i for i, a in enumerate(args)
-                       if isinstance(a, torch.Tensor) and ptrs[i] != self.first_ptrs[i]]
-        self.static = [a.clone() if i in self.copied else a for i, a in enumerate(args)]
+        cap.copied = [i for i, a in enumerate(args)
+                      if isinstance(a, torch.Tensor) and ptrs[i] != cap.first_ptrs[i]]
+        cap.static = [a.clone() if i in cap.copied else a for i, a in enumerate(args)]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.fn(list(self.static))  # warm-up on a side stream, as torch.cuda.graphs advises
+            self.fn(list(cap.static))  # warm-up on a side stream, as torch.cuda.graphs advises
         torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.outputs = self.fn(list(self.static))
-        self.static_ptrs = [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in self.static]
+        cap.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cap.graph):
+            cap.outputs = self.fn(list(cap.static))
+        cap.static_ptrs = [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in cap.static]
 
     def __call__(self, inputs: list):
         args = tuple(inputs)
         inputs.clear()
-        if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+        if not self._on_cuda(args):
             return self.fn(list(args))
         signature = self._signature(args)
-        if signature != self.signature:
-            self._reset(signature)
-        if self.first_ptrs is None:
-            self.first_ptrs = [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args]
+        cap = self.captures.pop(signature, None) or _Capture()
+        self.captures[signature] = cap  # now the most recently used
+        if len(self.captures) > self.MAX_SIGNATURES:
+            del self.captures[next(iter(self.captures))]
+        if cap.first_ptrs is None:
+            cap.first_ptrs = [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args]
             return self.fn(list(args))
-        if self.graph is not None and any(
-                i not in self.copied and isinstance(a, torch.Tensor) and a.data_ptr() != self.static_ptrs[i]
+        if cap.graph is not None and any(
+                i not in cap.copied and isinstance(a, torch.Tensor) and a.data_ptr() != cap.static_ptrs[i]
                 for i, a in enumerate(args)):
-            self.graph = None  # a parameter or buffer moved: capture again
-        if self.graph is None:
-            self._capture(args)
-        for i in self.copied:
-            self.static[i].copy_(args[i])
-        self.graph.replay()
-        return type(self.outputs)(o.clone() if isinstance(o, torch.Tensor) else o for o in self.outputs)
+            cap.graph = None  # a parameter or buffer moved: capture again
+        if cap.graph is None:
+            self._capture(cap, args)
+        for i in cap.copied:
+            cap.static[i].copy_(args[i])
+        cap.graph.replay()
+        return type(cap.outputs)(o.clone() if isinstance(o, torch.Tensor) else o for o in cap.outputs)
 
 
 def refusal(gm: fx.GraphModule, graph: str) -> str | None:
