@@ -28,11 +28,10 @@ import triton
 import triton.language as tl
 
 from .. import epilogue as epi
-from .batch_norm import TILE, BnConfig, _is_view3, _row_offsets, _sum_rows, row_splits
+from .batch_norm import _DTYPES, TILE, BnConfig, _is_view3, _row_offsets, _sum_rows, row_splits
 from .launch import plan_key
 from .tiles import cdiv
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit

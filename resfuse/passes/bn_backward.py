@@ -16,7 +16,6 @@ from .group import _fake_call
 
 aten = torch.ops.aten
 NATIVE = aten.native_batch_norm_backward.default
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def batch_norm_backward(gm: fx.GraphModule, ctx) -> fx.GraphModule:
@@ -50,9 +49,11 @@ def _refusal(grad_out, x, save_mean, save_invstd, train, mask) -> str | None:
         return "batch-norm backward without grad_input"
     if save_mean is None or save_invstd is None:
         return "batch-norm backward without saved statistics"
-    g, v = legality.val(grad_out), legality.val(x)
-    if v.dtype not in _DTYPES or g.dtype not in _DTYPES or v.dim() < 2:
-        return f"batch-norm backward of {v.dtype} {tuple(v.shape)}"
+    why = legality.first(legality.supported_dtype(grad_out), legality.supported_dtype(x))
+    if why:
+        return f"batch-norm backward: {why}"
+    if legality.val(x) is None or legality.val(x).dim() < 2:
+        return "batch-norm backward of a tensor below 2-D (or without metadata)"
     if legality.val(save_mean).dtype != torch.float32:
         return f"batch-norm backward with {legality.val(save_mean).dtype} statistics"
     return None
