@@ -1,7 +1,7 @@
 """Training-step benchmark (issue 6), GPU machine: eager, torch.compile (default and
 reduce-overhead) and resfuse (with and without CUDA graphs) in one run.
 
-Entry point: `python bench/train.py [--jobs resnet50:64,resnet50:256,bert:32] [--peers eager,compile,...]
+Entry point: `python bench/train.py [--jobs resnet50:64,resnet50:256,bert:32,resnext50:64] [--peers eager,compile,...]
 [--iters 20] [--out DIR]`.
 ResNet-50 (torchvision) trains in fp16 autocast, channels_last; BERT-base (HF, seq 128) likewise. Each
 peer starts from the same weights: one step's gradients are compared with eager's (the largest relative
@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import resfuse  # noqa: E402
 
 
-def resnet50(batch: int):
+def resnet50(batch: int, arch: str = "resnet50"):
     import torchvision
 
-    model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
+    model = getattr(torchvision.models, arch)().cuda().to(memory_format=torch.channels_last)
     x = torch.randn(batch, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (batch,), device="cuda")
     return model, (x, y), lambda out, y: torch.nn.functional.cross_entropy(out, y)
@@ -60,7 +60,8 @@ class _Logits(torch.nn.Module):
         return self.model(x).logits
 
 
-MODELS = {"resnet50": resnet50, "bert": bert}
+MODELS = {"resnet50": resnet50, "bert": bert,
+          "resnext50": lambda batch: resnet50(batch, "resnext50_32x4d")}  # grouped convs and their data gradients
 
 
 def peers():
