@@ -23,6 +23,9 @@ class Config:
     batch_norm_backward: bool = True
     ("Run training's batch-norm backward on resfuse's Triton kernel (three deterministic passes) instead of "
      "ATen's, where the fused ops run on Triton.")
+    max_pool: bool = True
+    ("Run max-pool and its backward on resfuse's Triton kernels instead of ATen's, where the fused ops run on "
+     "Triton; a relu gradient right after the pool's is applied on the way out.")
     providers: tuple[str, ...] = ("triton", "aten")
     "Who may run a fused op on CUDA, in order of preference until the tuner measures them."
     tuning: str = "fast"

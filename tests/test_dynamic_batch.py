@@ -3,7 +3,6 @@ ops take -1 for the batch in their shape arguments and resolve it at run time), 
 training and for a linear layer's [B, S, N] view; any other dynamic dim is refused with its reason."""
 import copy
 
-import pytest
 import torch
 
 from resfuse.capture.backend import make_backend

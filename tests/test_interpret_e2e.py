@@ -144,3 +144,62 @@ def test_grouped_and_depthwise_convs_fuse_forward_and_data_gradient():
               if f.anchor == "conv2d_dgrad"}
     assert dgrads[1] == (["drelu"], "epilogue")  # depthwise: weight [8, 1, 3, 3]
     assert dgrads[2] == (["add", "drelu"], "epilogue")  # groups=4, absorbing the skip-gradient add
+
+
+class _Stem(torch.nn.Module):
+    """ResNet's stem: conv -> batch norm -> relu -> max-pool, then a conv (channels_last)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 6, 3, stride=2, padding=1, bias=False)
+        self.bn = torch.nn.BatchNorm2d(6)
+        self.pool = torch.nn.MaxPool2d(3, 2, 1)
+        self.head = torch.nn.Conv2d(6, 4, 1)
+
+    def forward(self, x):
+        return self.head(self.pool(torch.relu(self.bn(self.conv(x)))))
+
+
+def test_max_pool_runs_our_kernels_in_inference_and_training():
+    """The stem's pool runs our kernels: in inference without writing indices, in training with them, and its
+    backward with relu's gradient applied on the way out; outputs and gradients equal eager's."""
+    import copy
+
+    from resfuse.ops import PATHS
+
+    torch.manual_seed(3)
+    stem = _Stem().to(memory_format=torch.channels_last)
+    twin = copy.deepcopy(stem)
+    x = torch.randn(2, 3, 13, 11).to(memory_format=torch.channels_last)
+    torch._dynamo.reset()
+    PATHS.clear()
+    compiled = resfuse.compile(stem.eval(), interpret=True)
+    with torch.no_grad():
+        assert rel(compiled(x), twin.eval()(x)) < 1e-5
+    assert PATHS[("max_pool2d", "", "triton")] == 1
+    assert "inference graph: 1 max-pool op(s) on resfuse's kernels" in compiled.resfuse_report.rewrites
+
+    torch._dynamo.reset()
+    compiled = resfuse.compile(stem.train(), interpret=True)
+    loss = compiled(x).square().sum()
+    loss.backward()
+    ref = twin.train()(x).square().sum()
+    ref.backward()
+    assert rel(loss, ref) < 1e-5
+    for (name, p), q in zip(stem.named_parameters(), twin.parameters()):
+        assert rel(p.grad, q.grad) < 1e-4, name
+    assert PATHS[("max_pool2d_backward", "", "triton")] == 1
+    rewrites = compiled.resfuse_report.rewrites
+    assert "forward graph: 1 max-pool op(s) on resfuse's kernels" in rewrites
+    assert "backward graph: 1 max-pool op(s) on resfuse's kernels (1 with relu's gradient)" in rewrites
+
+
+def test_max_pool_switch_off_keeps_aten():
+    from resfuse.ops import PATHS
+
+    torch._dynamo.reset()
+    PATHS.clear()
+    compiled = resfuse.compile(_Stem().eval(), interpret=True, max_pool=False)
+    with torch.no_grad():
+        compiled(torch.randn(1, 3, 9, 9))
+    assert not any(op == "max_pool2d" for op, _, _ in PATHS) and not compiled.resfuse_report.rewrites

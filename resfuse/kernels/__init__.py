@@ -8,6 +8,7 @@ Entry points, called by ops/fused.py:
   gemm(a, b, operands, signature, out, config=None) -> out
   epilogue(acc, operands, signature, out, channel_dim) -> out   the epilogue alone, on an ATen result
   batch_norm_train(...), batch_norm_backward(...)    training batch norm (batch_norm.py, batch_norm_bwd.py)
+  max_pool2d(...), max_pool2d_backward(...)          max pooling and its gradient (max_pool.py)
   set_options(interpret=..., cache_dir=..., split_k=...)   process-wide, set by resfuse.compile
 
 Triton decides at decoration time whether a kernel is compiled or interpreted, so the interpreter switch is
@@ -97,3 +98,15 @@ def batch_norm_backward(grad_out, x, weight, save_mean, save_invstd, output_mask
     """Training batch-norm backward -> (grad_input, grad_weight, grad_bias), None where output_mask is False."""
     from .batch_norm_bwd import batch_norm_backward as run
     return run(grad_out, x, weight, save_mean, save_invstd, output_mask, grad_input, config)
+
+
+def max_pool2d(x, kernel, stride, padding, dilation, out, indices=None):
+    """Max pooling -> (out, indices); indices (int64, ATen's) are written only when given."""
+    from .max_pool import max_pool2d as run
+    return run(x, kernel, stride, padding, dilation, out, indices)
+
+
+def max_pool2d_backward(grad_out, indices, kernel, stride, padding, dilation, grad_input, mask=None, threshold=0.0):
+    """grad_input of max pooling, optionally through relu's gradient (mask <= threshold -> 0)."""
+    from .max_pool import max_pool2d_backward as run
+    return run(grad_out, indices, kernel, stride, padding, dilation, grad_input, mask, threshold)

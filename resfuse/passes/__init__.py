@@ -14,6 +14,7 @@ from ..config import Config
 from .add_to_output import add_to_output
 from .bn_backward import batch_norm_backward
 from .match_epilogue import match_epilogue
+from .pooling import max_pool
 from .report import Report
 
 
@@ -45,6 +46,7 @@ PASSES = [
     ("match_epilogue", _epilogue),
     ("add_to_output", add_to_output),  # after match_epilogue: it extends the fused ops that pass made
     ("bn_backward", batch_norm_backward),  # after the fusions: its grad_out is their dgrad's output
+    ("max_pool", max_pool),  # after the fusions, which never absorb a pool: its input is their output
     ("report", _collect),  # last: reads the final graph
 ]
 

@@ -109,6 +109,7 @@ def choose(call: Call) -> Choice:
                              "runs cuDNN/cuBLAS + our epilogue kernel")
             return UNTUNED
         start = time.monotonic()
+        PROGRESS.measuring()
         entry = _off_thread(call.out.device, tune, call, bench=_bench, level=level, budget_s=remaining,
                             report=PROGRESS.op_done)
         gc.collect()  # the benchmarks' CUDA graphs keep their private memory pools until they are collected

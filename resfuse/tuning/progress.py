@@ -3,7 +3,8 @@
 Entry point: `PROGRESS`, the process's one bar. The backend calls `expect(n)` with each rewritten graph's
 number of fused ops, and the graph itself calls `graph_ran()` at its end (by the end of its first call every
 op has chosen; later calls find nothing to do);
-`choose()` calls `op_done(line)` the first time it sees each problem: a line for a measured op ("tuned
+`choose()` calls `measuring()` before it tunes an op, which shows the bar, and `op_done(line)` the first time
+it sees each problem: a line for a measured op ("tuned
 conv2d 32x64x56x56 relu(...): aten+epilogue 13.0 us, 16.67x over aten"), none for a cache hit. Ops of the same
 problem share one choice, so the bar may stop short of its total: `graph_ran` closes it.
 """
@@ -23,12 +24,16 @@ class TuningProgress:
     def expect(self, n: int) -> None:
         self.total += n
 
-    def op_done(self, line: str | None = None) -> None:
+    def measuring(self) -> None:
+        """An op is about to be measured: show the bar. A warm start (every op a cache hit) never starts one;
+        starting and stopping rich's live display cost it over a second (bench/warm_start.py profile)."""
         if self.bar is None and self.total:
             self.bar = Progress(TextColumn("resfuse: tuning fused ops"), BarColumn(), MofNCompleteColumn(),
                                 TimeElapsedColumn(), console=self.console, transient=True)
             self.bar.start()
-            self.task = self.bar.add_task("tune", total=self.total)
+            self.task = self.bar.add_task("tune", total=self.total, completed=min(self.done, self.total))
+
+    def op_done(self, line: str | None = None) -> None:
         if line:
             self.console.print(line, highlight=False, soft_wrap=True)
         self.done += 1

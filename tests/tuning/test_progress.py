@@ -18,13 +18,27 @@ def test_lines_print_and_the_bar_closes_when_the_graph_has_run():
     console, buf = _console()
     p = TuningProgress(console)
     p.expect(3)
+    p.op_done()  # a cache hit: counted, no bar yet
+    assert p.bar is None
+    p.measuring()
     p.op_done("resfuse: tuned conv2d 2x8x4x4 relu(acc): triton 1.0 us, 2.00x over aten")
     p.op_done()  # a cache hit: no line
-    assert p.bar is not None and p.done == 2
+    assert p.bar is not None and p.done == 3
     p.graph_ran()
     assert p.bar is None and p.total == p.done == 0
     assert "2.00x over aten" in buf.getvalue()
     p.graph_ran()  # later runs find nothing to close
+
+
+def test_a_warm_start_shows_no_bar():
+    console, buf = _console()
+    p = TuningProgress(console)
+    p.expect(2)
+    p.op_done()
+    p.op_done()
+    assert p.bar is None
+    p.graph_ran()
+    assert p.total == p.done == 0 and buf.getvalue() == ""
 
 
 def test_choose_reports_the_tuned_winner_and_its_speedup(tmp_path, monkeypatch):

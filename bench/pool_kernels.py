@@ -1,0 +1,107 @@
+"""GPU benchmark of the max-pool kernels on ResNet-50's stem pool (3x3, stride 2, padding 1 over the stem's
+relu output, channels_last).
+
+Entry point: `python bench/pool_kernels.py [--batch 32 256] [--dtype fp16] [--out DIR]`, on a GPU machine.
+For each batch:
+  forward:            ours with indices (training) and without (inference) against ATen's
+                      max_pool2d_with_indices (what eager and our graphs ran) and torch.compile's kernel;
+  backward (+ drelu): ours, relu's gradient applied on the way out, against ATen's pool backward followed by
+                      threshold_backward, and torch.compile's fused backward.
+Numerics first (values and indices equal ATen's; backward against ATen in fp32). Times: each call replayed in a
+CUDA graph (triton's do_bench_cudagraph), median. The bandwidth column is the minimal bytes over the time.
+Prints a table; the rows go to DIR/pool_kernels.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from triton.testing import do_bench_cudagraph
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from resfuse import kernels  # noqa: E402
+from resfuse.kernels import max_pool  # noqa: E402
+
+aten = torch.ops.aten
+ARGS = ([3, 3], [2, 2], [1, 1], [1, 1], False)
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def bench(fn) -> float:
+    return do_bench_cudagraph(fn, rep=50) * 1e3  # us
+
+
+def one_batch(batch: int, dtype: torch.dtype) -> list[dict]:
+    x = torch.randn(batch, 64, 112, 112, device="cuda", dtype=dtype).relu().contiguous(
+        memory_format=torch.channels_last)
+    out, idx = aten.max_pool2d_with_indices(x, *ARGS)
+    g = torch.randn_like(out)
+    ours_out, ours_idx = torch.empty_like(out), torch.empty_like(idx)
+    kernels.max_pool2d(x, *ARGS[:4], ours_out, ours_idx)
+    assert torch.equal(ours_out, out) and torch.equal(ours_idx, idx), "forward differs from ATen's"
+    ref = aten.threshold_backward(aten.max_pool2d_with_indices_backward(g.float(), x.float(), *ARGS, idx), x.float(), 0)
+    dx = torch.empty_like(x)
+    kernels.max_pool2d_backward(g, idx, *ARGS[:4], dx, x, 0.0)
+    err = ((dx.float() - ref).norm() / ref.norm()).item()
+    assert err < 1e-3, f"backward relative error {err}"
+
+    def compiled_fwd(t):
+        return torch.nn.functional.max_pool2d(t, 3, 2, 1, return_indices=True)
+
+    def compiled_bwd(t, grad):
+        return torch.ops.aten.threshold_backward(
+            aten.max_pool2d_with_indices_backward(grad, t, *ARGS, aten.max_pool2d_with_indices(t, *ARGS)[1]), t, 0)
+
+    fwd_c, bwd_c = torch.compile(compiled_fwd), torch.compile(compiled_bwd)
+    fwd_c(x), bwd_c(x, g)
+    x_b, o_b, i_b = x.numel() * x.element_size(), out.numel() * out.element_size(), idx.numel() * 8
+    rows = []
+
+    def row(name, fn, nbytes):
+        us = bench(fn)
+        rows.append({"batch": batch, "case": name, "us": us, "GB/s": nbytes / us / 1e3})
+
+    row("forward + indices: ours", lambda: kernels.max_pool2d(x, *ARGS[:4], ours_out, ours_idx), x_b + o_b + i_b)
+    row("forward + indices: aten", lambda: aten.max_pool2d_with_indices(x, *ARGS), x_b + o_b + i_b)
+    row("forward + indices: torch.compile", lambda: fwd_c(x), x_b + o_b + i_b)
+    row("forward (inference): ours", lambda: kernels.max_pool2d(x, *ARGS[:4], ours_out), x_b + o_b)
+    row("backward + drelu: ours", lambda: kernels.max_pool2d_backward(g, idx, *ARGS[:4], dx, x, 0.0),
+        o_b + i_b + 2 * x_b)
+    row("backward + drelu: aten", lambda: aten.threshold_backward(
+        aten.max_pool2d_with_indices_backward(g, x, *ARGS, idx), x, 0), o_b + i_b + 2 * x_b)
+    row("backward + drelu: torch.compile (recomputes the indices)", lambda: bwd_c(x, g), o_b + 2 * x_b)
+    if SWEEP:
+        for tile in [(bm, bc, w) for bc in (32, 64) for bm in (16, 32, 64, 128) for w in (2, 4, 8)]:
+            row(f"sweep fwd+idx {tile}", lambda: max_pool.max_pool2d(x, *ARGS[:4], ours_out, ours_idx, tile),
+                x_b + o_b + i_b)
+            row(f"sweep fwd {tile}", lambda: max_pool.max_pool2d(x, *ARGS[:4], ours_out, None, tile), x_b + o_b)
+            row(f"sweep bwd {tile}", lambda: max_pool.max_pool2d_backward(g, idx, *ARGS[:4], dx, x, 0.0, tile),
+                o_b + i_b + 2 * x_b)
+    return rows
+
+
+SWEEP = False
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, nargs="+", default=[32, 256])
+    p.add_argument("--dtype", default="fp16", choices=DTYPES)
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--sweep", action="store_true", help="also time a grid of tiles (BM, BC, warps)")
+    args = p.parse_args()
+    global SWEEP
+    SWEEP = args.sweep
+    rows = [r for b in args.batch for r in one_batch(b, DTYPES[args.dtype])]
+    with open(os.path.join(args.out, "pool_kernels.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "dtype": args.dtype, "rows": rows}, f, indent=1)
+    print(f"ResNet-50 stem max-pool, {args.dtype} channels_last, on {torch.cuda.get_device_name()}")
+    for r in rows:
+        print(f"bs{r['batch']:<4} {r['case']:58s} {r['us']:9.1f} us {r['GB/s']:8.0f} GB/s")
+
+
+if __name__ == "__main__":
+    main()

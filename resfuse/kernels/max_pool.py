@@ -1,0 +1,169 @@
+"""2-D max pooling, forward (with the argmax indices training saves) and backward, as ATen computes them.
+
+Entry points, reached through resfuse.kernels (ops/pooling.py calls them for the ops passes/pooling.py puts
+in graphs):
+  max_pool2d(x, kernel, stride, padding, dilation, out, indices=None) -> (out, indices)
+  max_pool2d_backward(grad_out, indices, kernel, stride, padding, dilation, grad_input, mask=None,
+                      threshold=0.0) -> grad_input
+
+ATen's CUDA kernels for a channels_last max-pool run far below the memory bandwidth: in a ResNet-50 bs256
+training step the stem's pool took 0.82 ms forward and 1.83 ms backward (BENCHMARKS.md), for about 0.9 GB and
+0.9 GB of traffic. Both kernels here tile [rows, channels] over any strides (channels_last reads whole rows of
+channels), so they run at the bandwidth of whichever layout they get.
+
+Semantics are ATen's: a NaN in a window wins (the last NaN scanned, rows then columns); otherwise the first
+maximum wins; padding never does. `indices` holds ih * W + iw of the winner in its input plane; a window of
+only -inf points at its first in-bounds element (ATen's CPU and NCHW CUDA kernels; its NHWC CUDA kernel says
+0). The backward gathers instead of scattering: each input element sums the gradients of the (at most
+ceil(KH / stride) * ceil(KW / stride)) windows that chose it, in ATen's order (rows, then columns, ascending),
+so there are no atomics, no zero fill and the result is deterministic. An optional `mask` applies relu's
+gradient on the way out (threshold_backward(grad_input, mask, threshold)): the stem's relu -> max-pool.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+
+@triton.jit
+def _rows(offs, A, B, BIG: tl.constexpr):
+    """Split flat row numbers into (n, a, b) for an [N, A, B] grid of pixels. Index math is int32 (int64
+    division is emulated and made the kernels compute-bound); with BIG the sample index, which multiplies the
+    largest stride, is int64 so that offsets past 2**31 elements do not wrap."""
+    b = offs % B
+    t = offs // B
+    n = t // A
+    if BIG:
+        n = n.to(tl.int64)
+    return n, t % A, b
+
+
+@triton.jit
+def max_pool2d_kernel(x, out, idx, N, C, H, W, OH, OW, s_xn, s_xc, s_xh, s_xw, s_on, s_oc, s_oh, s_ow,
+                      s_in, s_ic, s_ih, s_iw, KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr,
+                      SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+                      WITH_INDICES: tl.constexpr, BIG: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
+    """One [BM output pixels, BC channels] tile: the max over each pixel's window, and where it was."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    row_ok = rows < N * OH * OW
+    ok_c = offs_c < C
+    n, oh, ow = _rows(rows, OH, OW, BIG)
+    ih0 = oh * SH - PH
+    iw0 = ow * SW - PW
+    # the first in-bounds tap of each window: where a window of only -inf points
+    first_h = ih0 + ((tl.maximum(-ih0, 0) + DH - 1) // DH) * DH
+    first_w = iw0 + ((tl.maximum(-iw0, 0) + DW - 1) // DW) * DW
+    best = tl.full([BM, BC], float("-inf"), tl.float32)
+    where = tl.broadcast_to((first_h * W + first_w)[:, None], [BM, BC])
+    x_c = (offs_c * s_xc)[None, :]
+    for kh in tl.static_range(KH):
+        ih = ih0 + kh * DH
+        for kw in tl.static_range(KW):
+            iw = iw0 + kw * DW
+            inside = row_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            v = tl.load(x + (n * s_xn + ih * s_xh + iw * s_xw)[:, None] + x_c,
+                        mask=inside[:, None] & ok_c[None, :], other=float("-inf")).to(tl.float32)
+            take = (v > best) | (v != v)
+            best = tl.where(take, v, best)
+            where = tl.where(take, (ih * W + iw)[:, None], where)
+    ok = row_ok[:, None] & ok_c[None, :]
+    tl.store(out + (n * s_on + oh * s_oh + ow * s_ow)[:, None] + (offs_c * s_oc)[None, :],
+             best.to(out.dtype.element_ty), mask=ok)
+    if WITH_INDICES:
+        tl.store(idx + (n * s_in + oh * s_ih + ow * s_iw)[:, None] + (offs_c * s_ic)[None, :], where.to(tl.int64),
+                 mask=ok)
+
+
+@triton.jit
+def max_pool2d_backward_kernel(g, idx, dx, m, N, C, H, W, OH, OW, s_gn, s_gc, s_gh, s_gw, s_in, s_ic, s_ih, s_iw,
+                               s_dn, s_dc, s_dh, s_dw, s_mn, s_mc, s_mh, s_mw, THRESHOLD,
+                               KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                               PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+                               MASK: tl.constexpr, BIG: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
+    """One [BM input pixels, BC channels] tile of grad_input: the sum of the gradients of the windows whose
+    index points here. Window (oh, ow) covers ih when ih = oh * SH - PH + kh * DH for a tap kh. The pooling's
+    geometry is constexpr, so the divisions by the stride are shifts or multiplications."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    row_ok = rows < N * H * W
+    ok_c = offs_c < C
+    n, ih, iw = _rows(rows, H, W, BIG)
+    here = (ih * W + iw).to(tl.int64)[:, None]
+    acc = tl.zeros([BM, BC], tl.float32)
+    for i in tl.static_range(KH):
+        kh = KH - 1 - i  # windows in ascending oh, as ATen adds them
+        oh_s = ih + PH - kh * DH
+        oh = oh_s // SH
+        ok_h = (oh_s >= 0) & (oh_s - oh * SH == 0) & (oh < OH)
+        for j in tl.static_range(KW):
+            kw = KW - 1 - j
+            ow_s = iw + PW - kw * DW
+            ow = ow_s // SW
+            inside = row_ok & ok_h & (ow_s >= 0) & (ow_s - ow * SW == 0) & (ow < OW)
+            ok = inside[:, None] & ok_c[None, :]
+            chosen = tl.load(idx + (n * s_in + oh * s_ih + ow * s_iw)[:, None] + (offs_c * s_ic)[None, :],
+                             mask=ok, other=-1)
+            gv = tl.load(g + (n * s_gn + oh * s_gh + ow * s_gw)[:, None] + (offs_c * s_gc)[None, :],
+                         mask=ok & (chosen == here), other=0.0)
+            acc += gv.to(tl.float32)
+    ok = row_ok[:, None] & ok_c[None, :]
+    if MASK:
+        mv = tl.load(m + (n * s_mn + ih * s_mh + iw * s_mw)[:, None] + (offs_c * s_mc)[None, :], mask=ok,
+                     other=0.0).to(tl.float32)
+        acc = tl.where(mv <= THRESHOLD, 0.0, acc)
+    tl.store(dx + (n * s_dn + ih * s_dh + iw * s_dw)[:, None] + (offs_c * s_dc)[None, :],
+             acc.to(dx.dtype.element_ty), mask=ok)
+
+
+def _tile(c: int, channel_stride: int) -> tuple[int, int, int]:
+    """(BM, BC, warps): wide along the channels when they are contiguous (channels_last), else along the rows.
+    Small tiles: on the ResNet-50 stem pool (bs256, H100) 16 x 64 with 4 warps was the best of 24 tiles in each
+    direction (`bench/pool_kernels.py --sweep`), 2.4x faster than 128 x 32 with 2 warps going backward."""
+    if channel_stride == 1:
+        bc = min(64, triton.next_power_of_2(c))
+        return max(16, 1024 // bc), bc, 4
+    return 64, min(16, triton.next_power_of_2(c)), 4
+
+
+def _geometry(kernel, stride, padding, dilation) -> dict:
+    return dict(KH=kernel[0], KW=kernel[1], SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1],
+                DH=dilation[0], DW=dilation[1])
+
+
+def _big(*tensors) -> bool:
+    """Can an element offset (or a flat pixel number) pass int32?"""
+    return any(max(t.numel(), sum((d - 1) * st for d, st in zip(t.shape, t.stride())) + 1) >= 2**31 - 1
+               for t in tensors)
+
+
+def max_pool2d(x: torch.Tensor, kernel, stride, padding, dilation, out: torch.Tensor,
+               indices: torch.Tensor | None = None, tile: tuple[int, int, int] | None = None):
+    n, c, h, w = x.shape
+    oh, ow = out.shape[2:]
+    if out.numel():
+        bm, bc, warps = tile or _tile(c, x.stride(1))
+        idx = indices if indices is not None else out
+        grid = (triton.cdiv(n * oh * ow, bm), triton.cdiv(c, bc))
+        max_pool2d_kernel[grid](x, out, idx, n, c, h, w, oh, ow, *x.stride(), *out.stride(), *idx.stride(),
+                                **_geometry(kernel, stride, padding, dilation), WITH_INDICES=indices is not None,
+                                BIG=_big(x, out, idx), BM=bm, BC=bc, num_warps=warps)
+    return out, indices
+
+
+def max_pool2d_backward(grad_out: torch.Tensor, indices: torch.Tensor, kernel, stride, padding, dilation,
+                        grad_input: torch.Tensor, mask: torch.Tensor | None = None, threshold: float = 0.0,
+                        tile: tuple[int, int, int] | None = None):
+    n, c, h, w = grad_input.shape
+    oh, ow = grad_out.shape[2:]
+    if grad_input.numel():
+        bm, bc, warps = tile or _tile(c, grad_input.stride(1))
+        m = mask if mask is not None else grad_input
+        grid = (triton.cdiv(n * h * w, bm), triton.cdiv(c, bc))
+        max_pool2d_backward_kernel[grid](grad_out, indices, grad_input, m, n, c, h, w, oh, ow, *grad_out.stride(),
+                                         *indices.stride(), *grad_input.stride(), *m.stride(), float(threshold),
+                                         **_geometry(kernel, stride, padding, dilation), MASK=mask is not None,
+                                         BIG=_big(grad_out, indices, grad_input, m), BM=bm, BC=bc, num_warps=warps)
+    return grad_input

@@ -1,0 +1,92 @@
+"""Max pooling ops: resfuse::max_pool2d (forward) and resfuse::max_pool2d_backward, which passes/pooling.py puts
+in place of aten.max_pool2d_with_indices and its backward.
+
+max_pool2d returns (out, indices) as ATen does, with the same layouts; when the graph never reads the indices
+(inference) it skips writing them and returns an empty tensor in their place. max_pool2d_backward is
+aten.max_pool2d_with_indices_backward, optionally followed by relu's gradient (threshold_backward(result, mask,
+threshold)), which the stem's relu -> max-pool puts right after it.
+
+Paths, recorded in PATHS: "triton" (kernels/max_pool.py, on CUDA or under the interpreter) or "reference" (ATen).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+import torch
+
+from .fused import _record, _use_triton
+
+aten = torch.ops.aten
+
+
+@functools.lru_cache(maxsize=None)
+def _layouts(shape, strides, dtype, device, kernel, stride, padding, dilation, ceil_mode) -> tuple:
+    """(out shape, out strides, indices strides, grad_input strides) as ATen gives them for this input."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty_strided(shape, strides, dtype=dtype, device=device)
+        out, idx = aten.max_pool2d_with_indices(x, kernel, stride, padding, dilation, ceil_mode)
+        dx = aten.max_pool2d_with_indices_backward(out, x, kernel, stride, padding, dilation, ceil_mode, idx)
+        return tuple(out.shape), out.stride(), idx.stride(), dx.stride()
+
+
+def _layout_of(x, kernel, stride, padding, dilation, ceil_mode) -> tuple:
+    return _layouts(tuple(x.shape), x.stride(), x.dtype, x.device, tuple(kernel), tuple(stride), tuple(padding),
+                    tuple(dilation), bool(ceil_mode))
+
+
+def max_pool2d_impl(x: torch.Tensor, kernel: Sequence[int], stride: Sequence[int], padding: Sequence[int],
+                    dilation: Sequence[int], ceil_mode: bool, with_indices: bool,
+                    provider: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if _use_triton(x.device, provider):
+        from .. import kernels
+
+        _record("max_pool2d", "", "triton")
+        shape, strides, idx_strides, _ = _layout_of(x, kernel, stride, padding, dilation, ceil_mode)
+        out = torch.empty_strided(shape, strides, dtype=x.dtype, device=x.device)
+        idx = (torch.empty_strided(shape, idx_strides, dtype=torch.int64, device=x.device) if with_indices
+               else x.new_empty(0, dtype=torch.int64))
+        kernels.max_pool2d(x, kernel, stride, padding, dilation, out, idx if with_indices else None)
+        return out, idx
+    _record("max_pool2d", "", "reference")
+    out, idx = aten.max_pool2d_with_indices(x, list(kernel), list(stride), list(padding), list(dilation), ceil_mode)
+    return out, idx if with_indices else idx.new_empty(0)
+
+
+max_pool2d = torch.library.custom_op("resfuse::max_pool2d", max_pool2d_impl, mutates_args=())
+
+
+@max_pool2d.register_fake
+def _(x, kernel, stride, padding, dilation, ceil_mode, with_indices, provider):
+    # ATen's meta function on the fake input itself (its batch may be symbolic: no cache here)
+    out, idx = aten.max_pool2d_with_indices(x, list(kernel), list(stride), list(padding), list(dilation), ceil_mode)
+    return torch.empty_like(out), torch.empty_like(idx) if with_indices else idx.new_empty(0)
+
+
+def max_pool2d_backward_impl(grad_out: torch.Tensor, x: torch.Tensor, indices: torch.Tensor, kernel: Sequence[int],
+                             stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], ceil_mode: bool,
+                             mask: Optional[torch.Tensor], threshold: float, provider: str) -> torch.Tensor:
+    if _use_triton(x.device, provider):
+        from .. import kernels
+
+        _record("max_pool2d_backward", "", "triton")
+        dx_strides = _layout_of(x, kernel, stride, padding, dilation, ceil_mode)[3]
+        dx = torch.empty_strided(x.shape, dx_strides, dtype=grad_out.dtype, device=x.device)
+        return kernels.max_pool2d_backward(grad_out, indices, kernel, stride, padding, dilation, dx, mask, threshold)
+    _record("max_pool2d_backward", "", "reference")
+    dx = aten.max_pool2d_with_indices_backward(grad_out, x, list(kernel), list(stride), list(padding), list(dilation),
+                                               ceil_mode, indices)
+    return dx if mask is None else aten.threshold_backward(dx, mask, threshold)
+
+
+max_pool2d_backward = torch.library.custom_op("resfuse::max_pool2d_backward", max_pool2d_backward_impl,
+                                              mutates_args=())
+
+
+@max_pool2d_backward.register_fake
+def _(grad_out, x, indices, kernel, stride, padding, dilation, ceil_mode, mask, threshold, provider):
+    dx = aten.max_pool2d_with_indices_backward(grad_out, x, list(kernel), list(stride), list(padding),
+                                               list(dilation), ceil_mode, indices)
+    return torch.empty_like(dx)

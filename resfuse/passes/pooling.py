@@ -1,0 +1,134 @@
+"""Max pooling onto resfuse's kernels: aten.max_pool2d_with_indices becomes resfuse::max_pool2d and its backward
+resfuse::max_pool2d_backward (ops/pooling.py), where the fused ops run on Triton.
+
+Entry point: `max_pool(gm, ctx)`, a pass after the fusions. ATen's channels_last kernels ran at a fraction of the
+memory bandwidth (the stem pool of a ResNet-50 bs256 step: 2.6 ms in ATen). Two things ride along:
+  - an inference graph never reads the indices: the forward then does not write them (an int64 tensor as large
+    as the pooled output's four times over, in fp16);
+  - a backward's relu gradient right after the pool's (the stem's relu -> max-pool) is applied as the kernel
+    writes grad_input, saving a pass over the largest activation of the net.
+The report lists the rewrites; refusals say why.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from . import legality
+from .group import _fake_call
+
+aten = torch.ops.aten
+FORWARD = aten.max_pool2d_with_indices.default
+BACKWARD = aten.max_pool2d_with_indices_backward.default
+
+
+def max_pool(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    if not ctx.config.max_pool:
+        return gm
+    done, masked = 0, 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (FORWARD, BACKWARD):
+            continue
+        x = node.args[0] if node.target == FORWARD else node.args[1]
+        if ctx.provider_for(x) != "triton":
+            continue  # ATen's path anyway (CPU without the interpreter, or providers=("aten",))
+        why = _refusal(x)
+        if why:
+            ctx.reject(node, why)
+            continue
+        if node.target == FORWARD:
+            why = _forward(node)
+        else:
+            why, fused_mask = _backward(node)
+            masked += fused_mask
+        if why:
+            ctx.reject(node, why)
+        else:
+            done += 1
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+        extra = f" ({masked} with relu's gradient)" if masked else ""
+        ctx.report.rewrites.append(f"{ctx.graph} graph: {done} max-pool op(s) on resfuse's kernels{extra}")
+    return gm
+
+
+def _pair(v, default) -> list[int]:
+    v = list(v) if isinstance(v, (list, tuple)) else [v]
+    if not v:
+        v = list(default)
+    return v * 2 if len(v) == 1 else v
+
+
+def _params(args) -> list:
+    """kernel, stride, padding, dilation, ceil_mode with ATen's defaults filled in."""
+    kernel = _pair(args[0], None)
+    stride = _pair(args[1] if len(args) > 1 else [], kernel)
+    return [kernel, stride, _pair(args[2] if len(args) > 2 else 0, [0]),
+            _pair(args[3] if len(args) > 3 else 1, [1]), bool(args[4]) if len(args) > 4 else False]
+
+
+def _refusal(x: fx.Node) -> str | None:
+    v = legality.val(x)
+    if v is None or v.dim() != 4:
+        return "max-pool of an unbatched (3-D) input, or without metadata"
+    why = legality.first(legality.static_tensor(x), legality.supported_dtype(x))
+    return f"max-pool: {why}" if why else None
+
+
+def _same_layout(fake: torch.Tensor, want: torch.Tensor | None) -> bool:
+    return want is not None and tuple(fake.stride()) == tuple(want.stride()) and fake.dtype == want.dtype
+
+
+def _forward(node: fx.Node) -> str | None:
+    x, *rest = node.args
+    params = _params(rest)
+    index_users = [u for u in node.users if u.target is operator.getitem and u.args[1] == 1]
+    with_indices = any(u.users for u in index_users)
+    args = (x, *params, with_indices, "triton")
+    fake = _fake_call(torch.ops.resfuse.max_pool2d.default, args)
+    want = node.meta.get("val")
+    if not (_same_layout(fake[0], want[0]) and (not with_indices or _same_layout(fake[1], want[1]))):
+        return "max-pool output layout differs from ATen's"
+    for u in index_users:
+        if not u.users:
+            node.graph.erase_node(u)
+    node.target, node.args, node.kwargs = torch.ops.resfuse.max_pool2d.default, args, {}
+    node.meta["val"] = fake
+    return None
+
+
+def _backward(node: fx.Node) -> tuple[str | None, bool]:
+    grad_out, x, *rest = node.args
+    indices = rest[-1]
+    params = _params(rest[:-1])
+    mask, threshold, relu = None, 0.0, _relu_gradient(node)
+    if relu is not None:
+        mask, threshold = relu.args[1], float(relu.args[2])
+    args = (grad_out, x, indices, *params, mask, threshold, "triton")
+    fake = _fake_call(torch.ops.resfuse.max_pool2d_backward.default, args)
+    last = relu if relu is not None else node
+    if not _same_layout(fake, legality.val(last)):
+        return "max-pool backward layout differs from ATen's", False
+    node.target, node.args, node.kwargs = torch.ops.resfuse.max_pool2d_backward.default, args, {}
+    node.meta["val"] = fake
+    if relu is not None:
+        relu.prepend(node)  # its only consumer was the relu gradient, whose mask may come after it (a detach)
+        relu.replace_all_uses_with(node)
+        node.graph.erase_node(relu)
+    return None, relu is not None
+
+
+def _relu_gradient(node: fx.Node) -> fx.Node | None:
+    """The threshold_backward that is the pool gradient's only consumer, with a mask shaped like it."""
+    users = list(node.users)
+    if len(users) != 1 or users[0].target != aten.threshold_backward.default or users[0].args[0] is not node:
+        return None
+    mask = users[0].args[1]
+    v, g = legality.val(mask), legality.val(node)
+    if (not isinstance(mask, fx.Node) or v is None or g is None or tuple(v.shape) != tuple(g.shape)
+            or legality.supported_dtype(mask)):
+        return None
+    return users[0]
