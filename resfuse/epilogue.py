@@ -6,6 +6,7 @@ vector "c", a per-(sample, channel) vector "nc", or a "full" tensor with its own
   str(tree) / parse()   the canonical signature, passed to the custom ops and used as the cache key;
   pattern_ops()         the op labels from the accumulator outwards, e.g. ["bn", "add", "relu"];
   reference()           the math in torch, on [samples, rows, channels] views (see rows3);
+  aux_value()           the subtree an "aux" node marks: its value is the op's second output (training saves it);
   triton_body()         Triton source that loads the operands and computes the tree.
 
 Every fused output is seen as a [S, P, C] array: S samples, P rows per sample, C channels. A conv output
@@ -126,6 +127,9 @@ OPS: dict[str, OpSpec] = {
     # the output is stored in fp32 (the epilogue math already is): mixed-precision graphs add an fp16/bf16 GEMM
     # or conv to an fp32 tensor, which promotes; only ever the root of a tree (see out_dtype)
     "float32": OpSpec(1, lambda x: x, lambda x: x),
+    # the value of its argument, which the fused op also stores to its second output, the aux output: the
+    # pre-activation that a training graph saves for the activation's backward (at most one per tree)
+    "aux": OpSpec(1, lambda x: x, lambda x: x),
     # inference batch norm over per-channel mean, var, weight, bias; params: eps
     "bn": OpSpec(5, lambda x, m, v, w, b, eps: _bn_ref(x, m, v, w, b, eps),
                  lambda x, m, v, w, b, eps: f"(({x} - {m}) * tl.rsqrt({v} + {eps!r}) * {w} + {b})"),
@@ -159,7 +163,7 @@ def label(op: Op) -> str:
         return "bias"
     if op.name == "clamp":
         return "relu6" if tuple(op.params) == (0.0, 6.0) else "clamp"
-    return {"gelu_tanh": "gelu", "threshold_bwd": "drelu", "float32": "to_fp32"}.get(op.name, op.name)
+    return {"gelu_tanh": "gelu", "threshold_bwd": "drelu", "float32": "to_fp32", "aux": "save"}.get(op.name, op.name)
 
 
 def pattern_ops(node: Node) -> list[str]:
@@ -176,6 +180,15 @@ def full_adds(node: Node) -> int:
         return 0
     own = node.name == "add" and any(isinstance(a, Operand) and a.kind == "full" for a in node.args)
     return int(own) + sum(full_adds(a) for a in node.args)
+
+
+def aux_value(node: Node) -> Node | None:
+    """The subtree whose value the op stores as its aux output, or None when the tree has no aux node."""
+    if not isinstance(node, Op):
+        return None
+    if node.name == "aux":
+        return node.args[0]
+    return next((v for v in map(aux_value, node.args) if v is not None), None)
 
 
 def out_dtype(tree: Node, default: torch.dtype) -> torch.dtype:
@@ -282,7 +295,7 @@ def triton_params(tree: Node) -> list[str]:
 
 
 def triton_body(tree: Node, out: str = "y") -> str:
-    """Source that loads the operands and assigns the epilogue value to `out`.
+    """Source that loads the operands and assigns the epilogue value to `out` (and an aux node's to `aux_y`).
 
     It expects in scope: `acc` [BM, BC] fp32, `offs_c` [BC], `mask_c` [BC], `s_idx` and `p_idx` [BM] (the
     sample and row of each output row), and `mask` [BM, BC].
@@ -305,6 +318,9 @@ def triton_body(tree: Node, out: str = "y") -> str:
             return f"v{n.slot}"
         if isinstance(n, Const):
             return repr(n.value)
+        if n.name == "aux":
+            lines.append(f"aux_y = {ev(n.args[0])}")
+            return "aux_y"
         if n not in names:
             expr = OPS[n.name].tl(*[ev(a) for a in n.args], *n.params)
             names[n] = f"t{len(names)}"

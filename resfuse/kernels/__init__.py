@@ -2,10 +2,11 @@
 
 Entry points, called by ops/fused.py:
   available(device)                                  can a kernel run on this device now?
-  conv2d(x, w, operands, signature, stride, padding, dilation, out, config=None) -> out
+  conv2d(x, w, operands, signature, stride, padding, dilation, out, config=None, aux=None) -> out
   conv2d_dgrad(grad_out, w, operands, signature, stride, padding, dilation, out, config=None) -> out
                                                      grad_input of conv2d(input, w), with the epilogue
-  gemm(a, b, operands, signature, out, config=None) -> out
+  gemm(a, b, operands, signature, out, config=None, aux=None) -> out
+                                                     (aux: the second output of an epilogue with an aux node)
   epilogue(acc, operands, signature, out, channel_dim) -> out   the epilogue alone, on an ATen result
   batch_norm_train(...), batch_norm_backward(...)    training batch norm (batch_norm.py, batch_norm_bwd.py)
   max_pool2d(...), max_pool2d_backward(...)          max pooling and its gradient (max_pool.py)
@@ -67,9 +68,9 @@ def available(device: torch.device) -> bool:
     return device.type == "cpu" and _OPTIONS["interpret"]
 
 
-def conv2d(x, w, operands, signature, stride, padding, dilation, out, config=None):
+def conv2d(x, w, operands, signature, stride, padding, dilation, out, config=None, aux=None):
     from .launch import conv2d as run
-    return run(x, w, operands, signature, stride, padding, dilation, out, config)
+    return run(x, w, operands, signature, stride, padding, dilation, out, config, aux)
 
 
 def conv2d_dgrad(grad_out, w, operands, signature, stride, padding, dilation, out, config=None):
@@ -77,14 +78,14 @@ def conv2d_dgrad(grad_out, w, operands, signature, stride, padding, dilation, ou
     return run(grad_out, w, operands, signature, stride, padding, dilation, out, config)
 
 
-def epilogue(acc, operands, signature, out, channel_dim):
+def epilogue(acc, operands, signature, out, channel_dim, aux=None):
     from .launch import epilogue as run
-    return run(acc, operands, signature, out, channel_dim)
+    return run(acc, operands, signature, out, channel_dim, aux)
 
 
-def gemm(a, b, operands, signature, out, config=None):
+def gemm(a, b, operands, signature, out, config=None, aux=None):
     from .launch import gemm as run
-    return run(a, b, operands, signature, out, config)
+    return run(a, b, operands, signature, out, config, aux)
 
 
 def batch_norm_train(x, weight, bias, running_mean, running_var, operands, signature, momentum, eps, out=None,

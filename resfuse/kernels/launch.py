@@ -1,10 +1,11 @@
 """Launching the fused kernels: argument checks, [S, P, C] operand views, config choice and the grid.
 
-Entry points: `conv2d(x, w, operands, signature, stride, padding, dilation, out, config=None) -> out`,
+Entry points: `conv2d(x, w, operands, signature, stride, padding, dilation, out, config=None, aux=None) -> out`,
 `conv2d_dgrad(grad_out, w, operands, signature, stride, padding, dilation, out, config=None) -> out`,
 `gemm(a, b, operands, signature, out, config=None) -> out` and `epilogue(...)`, reached through resfuse.kernels
 (ops/fused.py calls those). A None config is the heuristic default; the tuner passes measured ones.
-`out` is preallocated by the caller; the kernels write into it through its own strides.
+`out` is preallocated by the caller; the kernels write into it through its own strides. An epilogue with an aux
+node also writes `aux` (conv2d, gemm and epilogue take it), laid out like `out`.
 """
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ class Plan:
         self.operand_strides = operand_strides  # None where the [S, P, C] view is not a view (a copy each call)
         self.prepare = prepare  # the inputs -> what the kernel takes for them (TMA descriptors), or None
 
-    def launch(self, tensors: tuple, out, operands, signature: str, out_shape, channel_dim: int):
+    def launch(self, tensors: tuple, out, operands, signature: str, out_shape, channel_dim: int, aux=None):
         if self.prepare is not None:
             tensors = self.prepare(*tensors)
         ws, tickets = split_k.buffers(out, *self.ws_shape)
@@ -97,21 +98,34 @@ class Plan:
                 views = views or epi.operand_views(epi.parse(signature), operands, out_shape, channel_dim)
                 t, strides = views[i], views[i].stride()
             op_args += [t, *strides]
-        self.kernel[self.grid](out, ws, tickets, *tensors, *self.head, *op_args, **self.meta)
+        outs = (out,) if aux is None else (out, aux)  # the aux output is written through out's offsets
+        self.kernel[self.grid](*outs, ws, tickets, *tensors, *self.head, *op_args, **self.meta)
         return out
 
 
 _PLANS: dict = {}
 
 
-def _cached_launch(key, build, tensors: tuple, out, operands, signature: str, channel_dim: int):
+def _cached_launch(key, build, tensors: tuple, out, operands, signature: str, channel_dim: int, aux=None):
     """Launch with the Plan for `key`, built on first sight (None: nothing to compute, e.g. an empty output)."""
     plan = _PLANS.get(key)
     if plan is None:
+        _check_aux(signature, out, aux)
         plan = _PLANS[key] = build()
     if plan is not None:
-        plan.launch(tensors, out, operands, signature, out.shape, channel_dim)
+        plan.launch(tensors, out, operands, signature, out.shape, channel_dim, aux)
     return out
+
+
+def _check_aux(signature: str, out: torch.Tensor, aux: torch.Tensor | None) -> None:
+    """An epilogue with an aux node writes a second output, shaped and strided like `out` (its dtype may differ:
+    an fp32 output under a float32 marker keeps an fp16 aux)."""
+    wants = epi.aux_value(epi.parse(signature)) is not None
+    if wants != (aux is not None):
+        raise ValueError(f"epilogue {signature} {'needs' if wants else 'has no'} aux output")
+    if aux is not None and (aux.shape != out.shape or aux.stride() != out.stride() or aux.device != out.device):
+        raise ValueError(f"aux output {tuple(aux.shape)} / {aux.stride()} is not laid out like the output "
+                         f"{tuple(out.shape)} / {out.stride()}")
 
 
 def plan_key(*parts) -> tuple:
@@ -136,12 +150,12 @@ def tma_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, bool] 
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, operands, signature: str, out: torch.Tensor,
-         config: GemmConfig | None = None) -> torch.Tensor:
+         config: GemmConfig | None = None, aux: torch.Tensor | None = None) -> torch.Tensor:
     if config is not None and config.tma and tma_operands(a, b) is None:
         config = dataclasses.replace(config, tma=False)  # say a sliced, misaligned view: the pointer mainloop
-    key = plan_key("gemm", signature, config, options()["split_k"], a, b, out, *operands)
+    key = plan_key("gemm", signature, config, options()["split_k"], a, b, out, aux, *operands)
     return _cached_launch(key, lambda: _gemm_plan(a, b, operands, signature, out, config), (a, b), out, operands,
-                          signature, -1)
+                          signature, -1, aux)
 
 
 def _gemm_plan(a, b, operands, signature, out, config) -> Plan | None:
@@ -208,13 +222,13 @@ def conv_as_gemm(x: torch.Tensor, w: torch.Tensor, stride, padding, out_strides)
 
 
 def conv2d(x: torch.Tensor, w: torch.Tensor, operands, signature: str, stride, padding, dilation,
-           out: torch.Tensor, config: ConvConfig | None = None) -> torch.Tensor:
+           out: torch.Tensor, config: ConvConfig | None = None, aux: torch.Tensor | None = None) -> torch.Tensor:
     if config is not None and config.tma and conv_as_gemm(x, w, stride, padding, out.stride()) is None:
         config = dataclasses.replace(config, tma=False)
     key = plan_key("conv2d", signature, tuple(stride), tuple(padding), tuple(dilation), config, options()["split_k"],
-               x, w, out, *operands)
+               x, w, out, aux, *operands)
     return _cached_launch(key, lambda: _conv_plan(x, w, operands, signature, stride, padding, dilation, out, config),
-                          (x, w), out, operands, signature, 1)
+                          (x, w), out, operands, signature, 1, aux)
 
 
 def _conv_plan(x, w, operands, signature, stride, padding, dilation, out, config) -> Plan | None:
@@ -289,17 +303,19 @@ def _dgrad_plan(grad_out, w, operands, signature, stride, padding, dilation, out
                 (tiles * phases, split, cfg.block_m, cfg.block_n))
 
 
-def epilogue(acc: torch.Tensor, operands, signature: str, out: torch.Tensor, channel_dim: int) -> torch.Tensor:
+def epilogue(acc: torch.Tensor, operands, signature: str, out: torch.Tensor, channel_dim: int,
+             aux: torch.Tensor | None = None) -> torch.Tensor:
     """Apply the epilogue to an accumulator already in memory (`acc`, shaped like `out`), in one kernel.
 
     `out` may be `acc` itself (in place) when their strides agree: each program loads its tile, then stores it."""
-    key = plan_key("ewise", signature, channel_dim, acc, out, *operands)
+    key = plan_key("ewise", signature, channel_dim, acc, out, aux, *operands)
     plan = _PLANS.get(key)
     if plan is None:
+        _check_aux(signature, out, aux)
         plan = _PLANS[key] = _ewise_plan(acc, operands, signature, out, channel_dim)
     if plan is not None:
         acc3 = epi.rows3(acc, acc.shape, channel_dim)
-        plan.launch((acc3,), out, operands, signature, out.shape, channel_dim)
+        plan.launch((acc3,), out, operands, signature, out.shape, channel_dim, aux)
     return out
 
 

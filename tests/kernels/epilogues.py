@@ -1,6 +1,7 @@
 """Test helpers: random epilogue trees (hypothesis), operand tensors for them, and float64 references.
 
-Entry points: `forced_split(n)` (a context manager), `trees()` (a strategy of (tree, slot roles)), `make_operand(role, kind, out_shape, channel_dim)`, `with_layout(t, how)`,
+Entry points: `forced_split(n)` (a context manager), `trees()` (a strategy of (tree, slot roles)),
+`poisoned_aux(tree, out)` and `check_aux(...)` (the aux output), `make_operand(role, kind, out_shape, channel_dim)`, `with_layout(t, how)`,
 `reference(acc64, tree, operands, channel_dim)` and `assert_close(out, ref, dtype)`.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from resfuse import epilogue as epi
 from resfuse import kernels
 from resfuse.epilogue import ACC, Const, Op, Operand
 
-UNARY = sorted(n for n, s in epi.OPS.items() if s.arity == 1)
+UNARY = sorted(n for n, s in epi.OPS.items() if s.arity == 1 and n not in ("aux", "float32"))  # markers
 ARITH = ("add", "sub", "mul", "div")
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -32,15 +33,22 @@ def _unary(draw, node):
 
 
 @st.composite
-def trees(draw, kinds=("c", "nc", "full"), max_steps=4):
-    """A random epilogue over acc, and each operand slot's role: "any", "positive" or "denominator"."""
+def trees(draw, kinds=("c", "nc", "full"), max_steps=4, aux=False):
+    """A random epilogue over acc, and each operand slot's role: "any", "positive" or "denominator". With
+    aux, one step (before, between or after the others) may mark its value for the aux output."""
     node, roles = ACC, []
+    steps = draw(st.integers(1, max_steps))
+    save_at = draw(st.integers(-1, steps)) if aux else -1  # -1: no aux node
 
     def operand(kind, role):
         roles.append((kind, role))
         return Operand(len(roles) - 1, kind)
 
-    for _ in range(draw(st.integers(1, max_steps))):
+    for i in range(steps + 1):
+        if i == save_at:
+            node = Op("aux", (node,))
+        if i == steps:
+            break
         step = draw(st.sampled_from(["unary", "binary", "binary", "bn", "drelu"]))
         if step == "drelu":  # relu's gradient, masked by a (forward) tensor of any kind
             node = Op("threshold_bwd", (node, operand(draw(st.sampled_from(kinds)), "any")),
@@ -118,6 +126,21 @@ def reference(acc64: torch.Tensor, tree, operands, channel_dim: int) -> torch.Te
     acc3 = epi.rows3(acc64, acc64.shape, channel_dim)
     ops3 = [epi.rows3(t.double(), acc64.shape, channel_dim) for t in operands]
     return epi.reference(tree, acc3, ops3)
+
+
+def poisoned_aux(tree, out: torch.Tensor) -> torch.Tensor | None:
+    """A NaN-filled aux output laid out like `out` (in the inputs' dtype), or None when the tree has no aux."""
+    if epi.aux_value(tree) is None:
+        return None
+    return torch.full_like(out, float("nan"), dtype=out.dtype)
+
+
+def check_aux(aux, acc64, tree, operands, channel_dim: int, dtype) -> None:
+    """The aux output holds the value under the tree's aux node (nothing to check without one)."""
+    if aux is None:
+        return
+    ref = reference(acc64, epi.aux_value(tree), operands, channel_dim)
+    assert_close(epi.rows3(aux, aux.shape, channel_dim), ref, dtype)
 
 
 def assert_close(out3: torch.Tensor, ref3: torch.Tensor, dtype) -> None:

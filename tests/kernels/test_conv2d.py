@@ -8,15 +8,16 @@ from resfuse import epilogue as epi
 from resfuse.kernels import launch
 from resfuse.ops.fused import conv_out_shape
 
-from .epilogues import assert_close, forced_split, make_operand, reference, trees, with_layout
+from .epilogues import (assert_close, check_aux, forced_split, make_operand, poisoned_aux, reference, trees,
+                        with_layout)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def run_conv(x, w, tree, operands, stride, padding, dilation, out_layout=torch.contiguous_format):
+def run_conv(x, w, tree, operands, stride, padding, dilation, out_layout=torch.contiguous_format, aux=None):
     shape = conv_out_shape(x, w, stride, padding, dilation)
     out = torch.full(shape, float("nan"), dtype=x.dtype).contiguous(memory_format=out_layout)
-    return launch.conv2d(x, w, operands, str(tree), list(stride), list(padding), list(dilation), out)
+    return launch.conv2d(x, w, operands, str(tree), list(stride), list(padding), list(dilation), out, aux=aux)
 
 
 
@@ -29,17 +30,19 @@ def run_conv(x, w, tree, operands, stride, padding, dilation, out_layout=torch.c
 def test_conv2d_epilogues(data, dtype, n, c, k, hw, rs, stride, padding, dilation, x_layout, w_layout, split):
     h, w_ = hw
     assume(min(h, w_) + 2 * padding - dilation * (rs - 1) - 1 >= 0)  # at least one output pixel
-    tree, roles = data.draw(trees())
+    tree, roles = data.draw(trees(aux=True))
     x = with_layout(torch.randn(n, c, h, w_).to(dtype), x_layout)
     w = with_layout((torch.randn(k, c, rs, rs) / (c * rs * rs) ** 0.5).to(dtype), w_layout)
     out_shape = conv_out_shape(x, w, (stride,) * 2, (padding,) * 2, (dilation,) * 2)
     layouts = data.draw(st.lists(st.integers(0, 2), min_size=len(roles), max_size=len(roles)))
     operands = [make_operand(role, kind, out_shape, 1, dtype, lay) for (kind, role), lay in zip(roles, layouts)]
     out_layout = torch.channels_last if x_layout == "channels_last" else torch.contiguous_format
+    aux = poisoned_aux(tree, torch.empty(out_shape, dtype=dtype).contiguous(memory_format=out_layout))
     with forced_split(split):
-        out = run_conv(x, w, tree, operands, (stride,) * 2, (padding,) * 2, (dilation,) * 2, out_layout)
+        out = run_conv(x, w, tree, operands, (stride,) * 2, (padding,) * 2, (dilation,) * 2, out_layout, aux)
     acc = F.conv2d(x.double(), w.double(), None, stride, padding, dilation)
     assert_close(epi.rows3(out, out.shape, 1), reference(acc, tree, operands, 1), dtype)
+    check_aux(aux, acc, tree, operands, 1, dtype)
 
 
 @pytest.mark.parametrize("signature", [

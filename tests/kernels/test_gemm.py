@@ -8,7 +8,7 @@ from resfuse.kernels import launch
 
 from resfuse import epilogue as epi
 
-from .epilogues import assert_close, forced_split, make_operand, reference, trees
+from .epilogues import assert_close, check_aux, forced_split, make_operand, poisoned_aux, reference, trees
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -20,10 +20,10 @@ def _matrix(shape, dtype, col_major):
     return torch.randn(shape).to(dtype)
 
 
-def run_gemm(a, b, tree, operands):
+def run_gemm(a, b, tree, operands, aux=None):
     shape = [*a.shape[:-1], b.shape[-1]]
     out = torch.full(shape, float("nan"), dtype=a.dtype)  # poison: every element must be written
-    return launch.gemm(a, b, operands, str(tree), out)
+    return launch.gemm(a, b, operands, str(tree), out, aux=aux)
 
 
 @settings(max_examples=60, deadline=None)
@@ -32,18 +32,20 @@ def run_gemm(a, b, tree, operands):
        a_cm=st.booleans(), b_cm=st.booleans(), split=st.sampled_from([1, 1, 2, 3, 5]))
 def test_gemm_epilogues(data, dtype, batch, m, n, k, a_cm, b_cm, split):
     kinds = ("c", "nc", "full") if batch else ("c", "full")  # an mm output has one sample: nc is c
-    tree, roles = data.draw(trees(kinds=kinds))
+    tree, roles = data.draw(trees(kinds=kinds, aux=True))
     lead = [batch] if batch else []
     a = _matrix([*lead, m, k], dtype, a_cm)
     b = _matrix([*lead, k, n], dtype, b_cm) / k ** 0.5
     out_shape = [*lead, m, n]
     layouts = data.draw(st.lists(st.integers(0, 2), min_size=len(roles), max_size=len(roles)))
     operands = [make_operand(role, kind, out_shape, -1, dtype, lay) for (kind, role), lay in zip(roles, layouts)]
+    aux = poisoned_aux(tree, torch.empty(out_shape, dtype=dtype))
     with forced_split(split):
-        out = run_gemm(a, b, tree, operands)
+        out = run_gemm(a, b, tree, operands, aux)
     acc = torch.matmul(a.double(), b.double())
     ref = reference(acc, tree, operands, -1)
     assert_close(epi.rows3(out, out.shape, -1), ref, dtype)
+    check_aux(aux, acc, tree, operands, -1, dtype)
 
 
 def test_gemm_shared_b_across_batch():
@@ -96,16 +98,18 @@ def test_tma_mainloop_epilogues(data, dtype, m, n8, k8, b_cm, split, tile):
     """The TMA-descriptor mainloop (2-D A and B, row strides 16-byte aligned: N and K multiples of 8 here, M
     free); boxes past the edges read zeros. B is [K, N] or a linear layer's transposed [N, K] weight."""
     n, k = 8 * n8, 8 * k8
-    tree, roles = data.draw(trees(kinds=("c", "full")))
+    tree, roles = data.draw(trees(kinds=("c", "full"), aux=True))
     a = torch.randn(m, k).to(dtype)
     b = _matrix([k, n], dtype, b_cm) / k ** 0.5
     assert launch.tma_operands(a, b)[1] == (not b_cm)  # the descriptor path, with B's orientation
     operands = [make_operand(role, kind, [m, n], -1, dtype, 0) for kind, role in roles]
     out = torch.full((m, n), float("nan"), dtype=dtype)
     cfg = launch.GemmConfig(*tile, group_m=2, split_k=split, num_warps=4, num_stages=2, tma=True)
-    launch.gemm(a, b, operands, str(tree), out, cfg)
-    ref = reference(torch.matmul(a.double(), b.double()), tree, operands, -1)
-    assert_close(epi.rows3(out, out.shape, -1), ref, dtype)
+    aux = poisoned_aux(tree, out)
+    launch.gemm(a, b, operands, str(tree), out, cfg, aux)
+    acc = torch.matmul(a.double(), b.double())
+    assert_close(epi.rows3(out, out.shape, -1), reference(acc, tree, operands, -1), dtype)
+    check_aux(aux, acc, tree, operands, -1, dtype)
 
 
 def test_tma_config_falls_back_to_pointers_where_descriptors_cannot_read():
