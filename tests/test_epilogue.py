@@ -47,10 +47,20 @@ def test_pattern_names():
     assert epi.full_adds(tree) == 1
 
 
+def test_aux_node_marks_the_saved_value():
+    inner = epi.Op("add", (epi.ACC, epi.Operand(0, "c")))
+    tree = epi.Op("gelu", (epi.Op("aux", (inner,)),))
+    assert epi.parse(str(tree)) == tree and str(tree) == "gelu(aux(add(acc,c0)))"
+    assert epi.pattern_ops(tree) == ["bias", "save", "gelu"]
+    assert epi.aux_value(tree) == inner and epi.aux_value(inner) is None
+    body = epi.triton_body(tree)
+    assert "aux_y = t0" in body and body.strip().endswith("y = t1")
+
+
 TORCH = {"relu": torch.relu, "clamp": lambda x: torch.clamp(x, -0.5, 6.0), "leaky_relu": lambda x: F.leaky_relu(x, 0.2),
          "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu,
          "sigmoid": torch.sigmoid, "hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid, "tanh": torch.tanh,
-         "float32": lambda x: x}
+         "float32": lambda x: x, "aux": lambda x: x}
 
 
 def test_reference_matches_torch_for_every_unary_op():

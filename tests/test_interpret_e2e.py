@@ -203,3 +203,41 @@ def test_max_pool_switch_off_keeps_aten():
     with torch.no_grad():
         compiled(torch.randn(1, 3, 9, 9))
     assert not any(op == "max_pool2d" for op, _, _ in PATHS) and not compiled.resfuse_report.rewrites
+
+
+class _SavedPreActivations(torch.nn.Module):
+    """conv + bias -> silu and linear + bias -> gelu in training: both activations' backward read their input."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 5, 3, padding=1)
+        self.fc = torch.nn.Linear(5, 7)
+
+    def forward(self, x):
+        y = torch.nn.functional.silu(self.conv(x))
+        return torch.nn.functional.gelu(self.fc(y.mean((2, 3))))
+
+
+def test_saved_pre_activations_become_aux_outputs_of_the_fused_kernels():
+    import copy
+
+    from resfuse.ops import PATHS
+
+    torch.manual_seed(4)
+    model = _SavedPreActivations().train()
+    twin = copy.deepcopy(model)
+    x = torch.randn(2, 3, 6, 5)
+    torch._dynamo.reset()
+    PATHS.clear()
+    compiled = resfuse.compile(model, interpret=True)
+    loss = compiled(x).square().sum()
+    loss.backward()
+    ref = twin(x).square().sum()
+    ref.backward()
+    assert rel(loss, ref) < 1e-5
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert rel(p.grad, q.grad) < 1e-4, name
+    saved = {(f.anchor, tuple(f.ops), f.ran) for f in compiled.resfuse_report.fusions if f.graph == "forward"}
+    assert ("conv2d", ("bias", "save", "silu"), "triton") in saved
+    assert ("gemm", ("bias", "save", "gelu"), "triton") in saved
+    assert PATHS[("conv2d", "silu(aux(add(acc,c0)))", "triton")] == 1

@@ -1,4 +1,4 @@
-"""The fused ops, as torch.library custom ops: resfuse::conv2d and resfuse::gemm.
+"""The fused ops, as torch.library custom ops: resfuse::conv2d and resfuse::gemm, and their _aux twins.
 
 The rewrite pass puts calls to these into the graph. Each takes its anchor's inputs, the epilogue's tensor
 operands (in slot order), the epilogue signature (epilogue.py) and a provider name. They have fake
@@ -9,6 +9,10 @@ Paths, recorded in PATHS so that the report can say which one ran:
   "triton"     our Triton kernel (CUDA, or CPU under the interpreter when kernels.interpret is on);
   "epilogue"   cuDNN/cuBLAS, then the epilogue in one Triton kernel (chosen by the tuner);
   "aten"       the same ATen computation as "reference", chosen by the tuner because it measured faster.
+
+resfuse::conv2d_aux and resfuse::gemm_aux take the same arguments for an epilogue with an aux node and return
+(out, aux): aux holds the value under that node (the pre-activation a training graph saves for the
+activation's backward), in the inputs' dtype, laid out like out.
 
 The output is described (`Output`) before it is allocated: every path but "epilogue" allocates it, while
 "epilogue" returns cuDNN's/cuBLAS's accumulator itself, written in place, when it already is the output's dtype,
@@ -89,12 +93,16 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _finish(acc: torch.Tensor, out: torch.Tensor, operands, signature: str, channel_dim: int) -> torch.Tensor:
-    """Apply the epilogue to an ATen accumulator, in fp32 or wider, and write it into `out`."""
+def _finish(acc: torch.Tensor, out: torch.Tensor, operands, signature: str, channel_dim: int,
+            aux: torch.Tensor | None = None) -> torch.Tensor:
+    """Apply the epilogue to an ATen accumulator, in fp32 or wider, and write it into `out` (and the value under
+    its aux node into `aux`, when given)."""
     tree = epi.parse(signature)
     acc3 = epi.rows3(acc.to(_compute_dtype(acc.dtype)), acc.shape, channel_dim)
     ops3 = epi.operand_views(tree, operands, acc.shape, channel_dim)
     epi.rows3(out, out.shape, channel_dim).copy_(epi.reference(tree, acc3, ops3))
+    if aux is not None:
+        epi.rows3(aux, aux.shape, channel_dim).copy_(epi.reference(epi.aux_value(tree), acc3, ops3))
     return out
 
 
@@ -111,18 +119,34 @@ def _record(op: str, signature: str, path: str) -> None:
 
 def conv2d_impl(x: torch.Tensor, weight: torch.Tensor, operands: Sequence[torch.Tensor], epilogue: str,
            stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], provider: str) -> torch.Tensor:
+    return _conv2d(x, weight, operands, epilogue, stride, padding, dilation, provider, None)
+
+
+def conv2d_aux_impl(x: torch.Tensor, weight: torch.Tensor, operands: Sequence[torch.Tensor], epilogue: str,
+                    stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
+                    provider: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """conv2d whose epilogue has an aux node: also returns that node's value (in x's dtype, laid out like out)."""
+    aux = aux_output(conv_output(x, weight, epilogue, stride, padding, dilation), x.dtype).empty()
+    return _conv2d(x, weight, operands, epilogue, stride, padding, dilation, provider, aux), aux
+
+
+def aux_output(out: Output, dtype: torch.dtype) -> Output:
+    return dataclasses.replace(out, dtype=dtype)
+
+
+def _conv2d(x, weight, operands, epilogue, stride, padding, dilation, provider, aux):
     out = conv_output(x, weight, epilogue, stride, padding, dilation)
     if _use_triton(x.device, provider):
         from .. import kernels
         from ..tuning.choose import Call, choose
 
         call = Call("conv2d", (x, weight), list(operands), epilogue, (list(stride), list(padding), list(dilation)),
-                    out)
+                    out, aux)
         choice = choose(call)
         _record("conv2d", epilogue, choice.provider)
         if choice.provider == "triton":
             return kernels.conv2d(x, weight, list(operands), epilogue, list(stride), list(padding), list(dilation),
-                                  out.empty(), choice.config)
+                                  out.empty(), choice.config, aux)
         if choice.provider == "epilogue":
             from ..providers import epilogue as two_kernels
             return two_kernels.run(call)
@@ -131,17 +155,18 @@ def conv2d_impl(x: torch.Tensor, weight: torch.Tensor, operands: Sequence[torch.
             return cudnn.run(call, out.empty())
     else:
         _record("conv2d", epilogue, "reference")
-    return conv2d_reference(x, weight, operands, epilogue, stride, padding, dilation, out.empty())
+    return conv2d_reference(x, weight, operands, epilogue, stride, padding, dilation, out.empty(), aux)
 
 
 conv2d = torch.library.custom_op("resfuse::conv2d", conv2d_impl, mutates_args=())
+conv2d_aux = torch.library.custom_op("resfuse::conv2d_aux", conv2d_aux_impl, mutates_args=())
 
 
-def conv2d_reference(x, weight, operands, epilogue, stride, padding, dilation, out):
+def conv2d_reference(x, weight, operands, epilogue, stride, padding, dilation, out, aux=None):
     """The unfused ATen path (cuDNN conv, then the epilogue as torch ops): the CPU path and the aten provider."""
     acc = torch.ops.aten.convolution(x, weight, None, list(stride), list(padding), list(dilation), False, [0, 0],
                                      groups_of(x, weight))
-    return _finish(acc, out, operands, epilogue, 1)
+    return _finish(acc, out, operands, epilogue, 1, aux)
 
 
 def groups_of(x, weight) -> int:
@@ -152,6 +177,12 @@ def groups_of(x, weight) -> int:
 @conv2d.register_fake
 def _(x, weight, operands, epilogue, stride, padding, dilation, provider):
     return conv_output(x, weight, epilogue, stride, padding, dilation).empty()
+
+
+@conv2d_aux.register_fake
+def _(x, weight, operands, epilogue, stride, padding, dilation, provider):
+    out = conv_output(x, weight, epilogue, stride, padding, dilation)
+    return out.empty(), aux_output(out, x.dtype).empty()
 
 
 def with_batch(shape: Sequence[int], leading) -> list:
@@ -174,34 +205,52 @@ def gemm_impl(a: torch.Tensor, b: torch.Tensor, operands: Sequence[torch.Tensor]
     out_shape is the product's shape, or a view of it that keeps the last dim (the [M, N] -> [B, S, N] of a
     linear layer): the epilogue's operands then broadcast against out_shape.
     """
+    return _gemm(a, b, operands, epilogue, out_shape, provider, None)
+
+
+def gemm_aux_impl(a: torch.Tensor, b: torch.Tensor, operands: Sequence[torch.Tensor], epilogue: str,
+                  out_shape: Sequence[int], provider: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """gemm whose epilogue has an aux node: also returns that node's value (in a's dtype, shaped like out)."""
+    aux = Output.of(_gemm_out_shape(a, b, out_shape), a.dtype, a.device).empty()
+    return _gemm(a, b, operands, epilogue, out_shape, provider, aux), aux
+
+
+def _gemm(a, b, operands, epilogue, out_shape, provider, aux):
     out_shape = _gemm_out_shape(a, b, out_shape)
     out = Output.of(out_shape, epi.out_dtype(epi.parse(epilogue), a.dtype), a.device)
     if _use_triton(a.device, provider):
         from .. import kernels
         from ..tuning.choose import Call, choose
 
-        call = Call("gemm", (a, b), list(operands), epilogue, (list(out_shape),), out)
+        call = Call("gemm", (a, b), list(operands), epilogue, (list(out_shape),), out, aux)
         choice = choose(call)
         _record("gemm", epilogue, choice.provider)
         if choice.provider == "triton":
-            return kernels.gemm(a, b, list(operands), epilogue, out.empty(), choice.config)
+            return kernels.gemm(a, b, list(operands), epilogue, out.empty(), choice.config, aux)
         if choice.provider == "epilogue":
             from ..providers import epilogue as two_kernels
             return two_kernels.run(call)
     else:
         _record("gemm", epilogue, "reference")
-    return gemm_reference(a, b, operands, epilogue, out_shape, out.empty())
+    return gemm_reference(a, b, operands, epilogue, out_shape, out.empty(), aux)
 
 
 gemm = torch.library.custom_op("resfuse::gemm", gemm_impl, mutates_args=())
+gemm_aux = torch.library.custom_op("resfuse::gemm_aux", gemm_aux_impl, mutates_args=())
 
 
-def gemm_reference(a, b, operands, epilogue, out_shape, out):
+def gemm_reference(a, b, operands, epilogue, out_shape, out, aux=None):
     """The unfused ATen path (cuBLAS, then the epilogue as torch ops)."""
     acc = torch.matmul(a, b).view(list(out_shape))
-    return _finish(acc, out, operands, epilogue, -1)
+    return _finish(acc, out, operands, epilogue, -1, aux)
 
 
 @gemm.register_fake
 def _(a, b, operands, epilogue, out_shape, provider):
     return a.new_empty(_gemm_out_shape(a, b, out_shape), dtype=epi.out_dtype(epi.parse(epilogue), a.dtype))
+
+
+@gemm_aux.register_fake
+def _(a, b, operands, epilogue, out_shape, provider):
+    shape = _gemm_out_shape(a, b, out_shape)
+    return a.new_empty(shape, dtype=epi.out_dtype(epi.parse(epilogue), a.dtype)), a.new_empty(shape)

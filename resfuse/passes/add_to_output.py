@@ -124,6 +124,9 @@ def _absorb(producer: fx.Node, other: fx.Node, add: fx.Node, ctx) -> str | None:
         g.absorb(cast, g.tree)
         producer = cast
     g.promoted = g.promoted or promoted
+    why = g.aux_refusal(other)
+    if why:
+        return why
     leaf = g.operand(other, "full")
     g.absorb(add, epi.Op("add", (g.tree, leaf) if add.args[0] is producer else (leaf, g.tree)))
     if ctx.config.fuse_epilogue:

@@ -1,6 +1,7 @@
 """A fusion group under construction: one anchor, its epilogue tree, and the FX nodes it replaces.
 
-Both passes grow groups the same way and emit them here: `Group.from_anchor` starts one at an aten conv/GEMM,
+Both passes grow groups the same way and emit them here (a group whose value is also read elsewhere, the
+pre-activation a training graph saves, keeps it as an aux output: `save`, and the op's _aux twin): `Group.from_anchor` starts one at an aten conv/GEMM,
 `Group.from_fused` reopens a resfuse op already in the graph, `absorb` adds a step, and `emit` replaces the
 absorbed nodes by one call to a resfuse op (ops/). Training anchors have several outputs (batch norm's
 statistics, convolution_backward's weight gradient): the group starts at their output 0, and emit rewires
@@ -21,12 +22,16 @@ aten = torch.ops.aten
 FUSED = {torch.ops.resfuse.conv2d.default: "conv2d", torch.ops.resfuse.gemm.default: "gemm",
          torch.ops.resfuse.batch_norm.default: "batch_norm", torch.ops.resfuse.conv2d_dgrad.default: "conv2d_dgrad"}
 TARGET = {anchor: target for target, anchor in FUSED.items()}
+# the ops for an epilogue with an aux node: they also return the value under it (ops/fused.py)
+AUX_TARGET = {"conv2d": torch.ops.resfuse.conv2d_aux.default, "gemm": torch.ops.resfuse.gemm_aux.default}
+FUSED.update({target: anchor for anchor, target in AUX_TARGET.items()})
 SIGNATURE_ARG = {"conv2d": 3, "gemm": 3, "batch_norm": 6, "conv2d_dgrad": 3}
 BN_TRAIN = aten._native_batch_norm_legit_functional.default
 CONV_BACKWARD = aten.convolution_backward.default
 # Ops with several outputs, whose first output is the one an epilogue extends. Their anchor node is the
 # getitem(op, 0); `origin` is the op itself.
-MULTI_OUTPUT = {BN_TRAIN: "batch_norm", CONV_BACKWARD: "conv2d_dgrad", torch.ops.resfuse.batch_norm.default: "batch_norm"}
+MULTI_OUTPUT = {BN_TRAIN: "batch_norm", CONV_BACKWARD: "conv2d_dgrad", torch.ops.resfuse.batch_norm.default: "batch_norm",
+                **{target: anchor for anchor, target in AUX_TARGET.items()}}
 
 
 def first_output_of(node: fx.Node) -> fx.Node | None:
@@ -66,6 +71,8 @@ class Group:
     provider: str = "aten"
     origin: fx.Node | None = None  # the multi-output op whose output 0 is the group's start (MULTI_OUTPUT)
     promoted: bool = False  # stores fp32 from fp16/bf16 inputs (a mixed-precision add was absorbed)
+    aux_users: list = dataclasses.field(default_factory=list)  # the nodes that read the aux output
+    aux_node: fx.Node | None = None  # the graph node whose value the aux output replaces (a fresh aux only)
 
     @property
     def channel_dim(self) -> int:
@@ -82,6 +89,22 @@ class Group:
             slot = len(self.operands)
             self.operands.append(node)
         return epi.Operand(slot, kind)
+
+    def save(self, users: list) -> None:
+        """The value so far becomes the aux output (training saves it), read by `users` instead of g.out."""
+        self.tree = epi.Op("aux", (self.tree,))
+        self.aux_node, self.aux_users = self.out, list(users)
+
+    def aux_refusal(self, operand: fx.Node) -> str | None:
+        """With an aux output, the op must run before the aux's readers, so an operand absorbed after the aux
+        must already exist by then (which also rules out a cycle through them)."""
+        if not self.aux_users or not isinstance(operand, fx.Node):
+            return None
+        order = {n: i for i, n in enumerate(operand.graph.nodes)}
+        first = min(self.aux_users, key=order.__getitem__)
+        if order[operand] > order[first]:
+            return f"operand {operand.name} comes after {first.name}, which reads the saved pre-activation"
+        return None
 
     def absorb(self, node: fx.Node, tree: epi.Node, out: fx.Node | None = None, extra: tuple = ()) -> None:
         """Take `node` (and `extra` helper nodes such as BN's getitem) into the group."""
@@ -137,9 +160,11 @@ class Group:
         params, provider = tuple(fused.args[n_inputs + 2:-1]), fused.args[-1]
         origin = fused if fused is not node else None
         tree = epi.parse(sig)
+        aux_users = [u for item in fused.users if item.target is operator.getitem and item.args[1] == 1
+                     for u in item.users] if fused.target in AUX_TARGET.values() else []
         return cls(anchor, tuple(inputs), params, epi.without_cast(tree), list(operands),
                    list(fused.meta["resfuse"]["sources"]), node, [], provider, origin,
-                   promoted=epi.out_dtype(tree, None) is not None)
+                   promoted=epi.out_dtype(tree, None) is not None, aux_users=aux_users)
 
     def ops(self) -> list[str]:
         return epi.pattern_ops(self.tree)
@@ -149,12 +174,18 @@ class Group:
         graph, last = self.out.graph, self.out
         tree = epi.Op("float32", (self.tree,)) if self.promoted else self.tree
         args = (*self.inputs, list(self.operands), str(tree), *self.params, self.provider)
-        target = TARGET[self.anchor]
+        aux = epi.aux_value(tree) is not None
+        target = AUX_TARGET[self.anchor] if aux else TARGET[self.anchor]
         fake = _fake_call(target, args)
         value = fake[0] if isinstance(fake, tuple) else fake
         want = self.out_val
         if tuple(value.stride()) != tuple(want.stride()) and want.numel() > 1:
             return f"fused output strides {value.stride()} differ from the graph's {want.stride()}"
+        saved = legality.val(self.aux_node) if self.aux_node is not None else None
+        if saved is not None and (tuple(fake[1].shape) != tuple(saved.shape) or fake[1].dtype != saved.dtype
+                                  or (tuple(fake[1].stride()) != tuple(saved.stride()) and saved.numel() > 1)):
+            return (f"aux output {tuple(fake[1].shape)} {fake[1].dtype} {fake[1].stride()} differs from the saved "
+                    f"value {tuple(saved.shape)} {saved.dtype} {saved.stride()}")
         with graph.inserting_before(last):
             new = graph.call_function(target, args)
         new.meta["val"] = fake
@@ -162,6 +193,10 @@ class Group:
         result = new
         if isinstance(fake, tuple):
             result = self._rewire_outputs(new, fake)
+        if self.aux_node is not None:  # a fresh aux output: the saved value's other readers now read it
+            aux_item = next(u for u in new.users if u.target is operator.getitem and u.args[1] == 1)
+            readers = set(self.aux_users)
+            self.aux_node.replace_all_uses_with(aux_item, delete_user_cb=readers.__contains__)
         elif self.origin is not None and self.origin.target == CONV_BACKWARD:
             self._weight_gradient_only()
         last.replace_all_uses_with(result)

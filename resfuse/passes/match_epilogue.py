@@ -8,7 +8,8 @@ convolution_backward (the data gradient, backward). What an anchor absorbs (tabl
 bias add, inference batch norm, the activations of UNARY, relu's gradient (threshold_backward), binary
 add/sub/mul/div with a scalar, a per-channel or per-(n,c) vector, or (except add, which is
 FuseAddToOutput's) a full tensor; gemm outputs may pass through a reshape that keeps the last dim, and any
-chain through a layout-preserving clone (eval-mode dropout).
+chain through a layout-preserving clone (eval-mode dropout). A value that a conv/GEMM group computes and that
+is read elsewhere as well (training's saved pre-activation) becomes the fused op's aux output (see grow).
 """
 from __future__ import annotations
 
@@ -154,7 +155,7 @@ def _step(g: Group, node: fx.Node, ctx) -> tuple | str | None:
         return g.tree, None, ()  # eval-mode dropout: a copy that keeps the values and the layout
     if t in VIEWS and g.anchor == "gemm":
         shape = list(legality.val(node).shape)
-        if (g.out_val.dim() != 2 or len(shape) < 2 or shape[-1] != g.out_val.shape[-1]
+        if (epi.aux_value(g.tree) is not None or g.out_val.dim() != 2 or len(shape) < 2 or shape[-1] != g.out_val.shape[-1]
                 or not g.out_val.is_contiguous() or legality.static_tensor(node)):
             return None  # not a 2-D product's rows re-batched (a 1-D linear's [1, N] -> [N] is not; nor a dynamic inner dim)
         g.params = (legality.shape_param(shape),)
@@ -169,25 +170,46 @@ def _room_for(g: Group, kind: str) -> str | None:
 
 
 def grow(g: Group, ctx) -> Group:
-    """Absorb consumers into `g` until one is not an epilogue op or a rule refuses it."""
+    """Absorb consumers into `g` until one is not an epilogue op or a rule refuses it.
+
+    A value with several consumers stops the group, except once for a conv/GEMM whose value goes on into one
+    activation and is also read elsewhere (a training graph saves the pre-activation for the activation's
+    backward): that value becomes the op's aux output and the activation joins the epilogue."""
     while True:
         users = list(g.out.users)
+        before = (g.tree, len(g.operands), g.aux_node, g.aux_users)
         if len(users) != 1:
-            for u in users:
-                if u.target in UNARY or u.target in BINARY or u.target in (BATCH_NORM, aten.threshold_backward.default):
-                    ctx.reject(u, legality.sole_consumer(g.out))
-            return g
-        node = users[0]
+            node = _activation_to_save_for(g, users)
+            if node is None:
+                for u in users:
+                    if u.target in UNARY or u.target in BINARY or u.target in (BATCH_NORM, aten.threshold_backward.default):
+                        ctx.reject(u, legality.sole_consumer(g.out))
+                return g
+            g.save([u for u in users if u is not node])
+        else:
+            node = users[0]
         step = _step(g, node, ctx)
         if step is None:
+            g.tree, g.aux_node, g.aux_users = before[0], before[2], before[3]
             return g
-        why = step if isinstance(step, str) else legality.first(legality.static_tensor(step[1] or node),
-                                                                 _same_dtype(g, step[1] or node))
+        why = step if isinstance(step, str) else legality.first(
+            legality.static_tensor(step[1] or node), _same_dtype(g, step[1] or node),
+            *[g.aux_refusal(o) for o in g.operands[before[1]:]])
         if why:
+            g.tree, g.aux_node, g.aux_users = before[0], before[2], before[3]
+            del g.operands[before[1]:]
             ctx.reject(node, why)
             return g
         tree, out, extra = step
         g.absorb(node, tree, out, extra)
+
+
+def _activation_to_save_for(g: Group, users: list) -> fx.Node | None:
+    """The one activation among a conv/GEMM value's consumers, when the value can become the aux output."""
+    acts = [u for u in users if u.target in UNARY and u.args[0] is g.out]
+    if g.anchor not in ("conv2d", "gemm") or len(acts) != 1 or epi.aux_value(g.tree) is not None or g.aux_users:
+        return None
+    return acts[0]
 
 
 def _same_dtype(g: Group, node: fx.Node) -> str | None:

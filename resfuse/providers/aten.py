@@ -14,14 +14,14 @@ def run(call, out: torch.Tensor) -> torch.Tensor:
     from ..ops import fused
 
     if call.op == "conv2d":
-        return fused.conv2d_reference(*call.inputs, call.operands, call.signature, *call.params, out)
+        return fused.conv2d_reference(*call.inputs, call.operands, call.signature, *call.params, out, call.aux)
     if call.op == "conv2d_dgrad":
         from ..ops import training
         return training.conv2d_dgrad_reference(*call.inputs, call.operands, call.signature, list(out.shape),
                                                *call.params, out)
-    return fused.gemm_reference(*call.inputs, call.operands, call.signature, *call.params, out)
+    return fused.gemm_reference(*call.inputs, call.operands, call.signature, *call.params, out, call.aux)
 
 
 def candidates(call, level: str) -> list[Candidate]:
-    scratch = call.out.empty()  # never the live output (OneFlow #9452)
-    return [Candidate("aten", "aten", {}, lambda: run(call, scratch))]
+    scratch, own = call.out.empty(), call.scratch()  # never the live outputs (OneFlow #9452)
+    return [Candidate("aten", "aten", {}, lambda: run(own, scratch))]

@@ -35,6 +35,8 @@ def _cudnn():
 
 
 def _unsupported(tree: epi.Node) -> str | None:
+    if isinstance(tree, epi.Op) and tree.name == "aux":
+        return "an aux output (the graph would need its intermediate as a second output)"
     if isinstance(tree, epi.Op):
         if tree.name not in UNARY and tree.name not in BINARY and tree.name not in ("bn", "leaky_relu", "clamp",
                                                                                    "float32"):

@@ -24,7 +24,7 @@ def run(call) -> torch.Tensor:
     float32 marker, another layout) the output is a new tensor."""
     acc, channel_dim = _accumulator(call)
     out = acc if call.out.fits(acc) else call.out.empty()
-    return kernels.epilogue(acc, call.operands, call.signature, out, channel_dim)
+    return kernels.epilogue(acc, call.operands, call.signature, out, channel_dim, call.aux)
 
 
 def _accumulator(call) -> tuple[torch.Tensor, int]:
@@ -45,4 +45,5 @@ def _accumulator(call) -> tuple[torch.Tensor, int]:
 def candidates(call, level: str) -> list[Candidate]:
     # measured as the op runs it: each run writes into the accumulator it has just computed (or a new output),
     # its own scratch, never a live buffer (OneFlow #9452)
-    return [Candidate("epilogue", "aten+epilogue", {}, lambda: run(call))]
+    own = call.scratch()
+    return [Candidate("epilogue", "aten+epilogue", {}, lambda: run(own))]

@@ -21,21 +21,21 @@ def refusal(call) -> str | None:
     return None
 
 
-def _launch(call, signature: str, operands, out, config):
+def _launch(call, signature: str, operands, out, config, aux=None):
     if call.op == "conv2d":
-        return kernels.conv2d(*call.inputs, operands, signature, *call.params, out, config)
+        return kernels.conv2d(*call.inputs, operands, signature, *call.params, out, config, aux)
     if call.op == "conv2d_dgrad":
         return kernels.conv2d_dgrad(*call.inputs, operands, signature, *call.params, out, config)
-    return kernels.gemm(*call.inputs, operands, signature, out, config)
+    return kernels.gemm(*call.inputs, operands, signature, out, config, aux)
 
 
 def candidates(call, level: str) -> list[Candidate]:
-    scratch, bare = call.out.empty(), call.out.empty()
+    scratch, bare, aux = call.out.empty(), call.out.empty(), call.scratch().aux
     out = []
     for cfg in space.configs(call, level):
         name = "triton:" + ",".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items())
         out.append(Candidate(
             "triton", name, dataclasses.asdict(cfg),
-            run=lambda cfg=cfg: _launch(call, call.signature, call.operands, scratch, cfg),
+            run=lambda cfg=cfg: _launch(call, call.signature, call.operands, scratch, cfg, aux),
             mainloop=lambda cfg=cfg: _launch(call, "acc", [], bare, cfg)))
     return out

@@ -42,6 +42,11 @@ class Call:
     signature: str
     params: tuple  # conv2d and conv2d_dgrad: (stride, padding, dilation); gemm: (out_shape,)
     out: Output  # described, not allocated: each provider allocates its own (candidates: scratch, never live data)
+    aux: torch.Tensor | None = None  # the op's aux output, for an epilogue with an aux node (candidates: scratch)
+
+    def scratch(self) -> "Call":
+        """This call writing a scratch aux output instead of the op's own."""
+        return self if self.aux is None else dataclasses.replace(self, aux=torch.empty_like(self.aux))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,5 +264,5 @@ def _reference(call: Call) -> torch.Tensor:
     """The unfused computation in fp32 from upcast inputs: what every candidate is checked against."""
     up = dataclasses.replace(call, inputs=tuple(t.float() for t in call.inputs),
                              operands=[t.float() for t in call.operands],
-                             out=dataclasses.replace(call.out, dtype=torch.float32))
+                             out=dataclasses.replace(call.out, dtype=torch.float32), aux=None)
     return providers.aten.run(up, up.out.empty())

@@ -11,18 +11,25 @@ from hypothesis import given, settings, strategies as st
 import resfuse
 
 
+ACTS = {"relu": torch.relu, "silu": nn.functional.silu, "gelu": nn.functional.gelu}
+
+
 class Block(nn.Module):
-    def __init__(self, cin, cout, stride, projection, act_after_add, bias, groups=1):
+    """conv -> [bn] -> act -> conv -> [bn] (+ shortcut) [-> relu]. Without batch norm, silu's and gelu's
+    backward read their input, the conv's output: the fused conv keeps it as its aux output."""
+
+    def __init__(self, cin, cout, stride, projection, act_after_add, bias, groups=1, norm=True, act="relu"):
         super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=bias, groups=groups), nn.BatchNorm2d(cout)
-        self.conv2, self.bn2 = nn.Conv2d(cout, cout, 1, bias=bias), nn.BatchNorm2d(cout)
+        bn = nn.BatchNorm2d if norm else (lambda c: nn.Identity())
+        self.conv1, self.bn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=bias, groups=groups), bn(cout)
+        self.conv2, self.bn2 = nn.Conv2d(cout, cout, 1, bias=bias), bn(cout)
         self.short = None
         if projection or stride != 1 or cin != cout:
-            self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-        self.act_after_add = act_after_add
+            self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), bn(cout))
+        self.act_after_add, self.act = act_after_add, ACTS[act]
 
     def forward(self, x):
-        y = self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x)))))
+        y = self.bn2(self.conv2(self.act(self.bn1(self.conv1(x)))))
         y = y + (x if self.short is None else self.short(x))
         return torch.relu(y) if self.act_after_add else y
 
@@ -35,7 +42,7 @@ def networks(draw):
         cout = draw(st.sampled_from([cin, 4, 8]))
         groups = draw(st.sampled_from([g for g in (1, 2, cin) if cin % g == 0 and cout % g == 0]))  # cin: depthwise
         blocks.append(Block(cin, cout, draw(st.sampled_from([1, 2])), draw(st.booleans()), draw(st.booleans()),
-                            draw(st.booleans()), groups))
+                            draw(st.booleans()), groups, draw(st.booleans()), draw(st.sampled_from(sorted(ACTS)))))
         cin = cout
     size = draw(st.sampled_from([5, 8]))
     return c, nn.Sequential(*blocks), size, draw(st.booleans()), draw(st.booleans())
@@ -47,7 +54,11 @@ EXAMPLES = int(os.environ.get("RESFUSE_EXAMPLES", 12))
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(networks(), st.booleans(), st.booleans(), st.booleans(), st.integers(0, 2**16))
 def test_random_residual_nets_train_like_eager(net, epilogue, add_to_output, dynamic, seed):
-    check_one_step(net, seed, dynamic=dynamic, fuse_epilogue=epilogue, fuse_add_to_output=add_to_output)
+    report = check_one_step(net, seed, dynamic=dynamic, fuse_epilogue=epilogue, fuse_add_to_output=add_to_output)
+    saving = [b for b in net[1] if isinstance(b.bn1, nn.Identity) and b.act is not torch.relu]
+    saved = [f for f in report.fusions if f.graph == "forward" and "save" in f.ops]
+    # each conv1 -> silu/gelu without batch norm keeps its output for the activation's backward as an aux output
+    assert len(saved) == (len(saving) if epilogue else 0), (saved, report.rejected)
 
 
 @settings(max_examples=max(1, EXAMPLES // 4), deadline=None)
