@@ -55,7 +55,7 @@ def test_wrong_kernel_is_never_chosen(monkeypatch):
     from resfuse.providers import triton as prov
 
     real = prov._launch
-    monkeypatch.setattr(prov, "_launch", lambda call, sig, ops, out, cfg: real(call, sig, ops, out, cfg).mul_(2))
+    monkeypatch.setattr(prov, "_launch", lambda call, sig, ops, out, cfg, *aux: real(call, sig, ops, out, cfg, *aux).mul_(2))
     entry = ch.tune(conv_call(), bench=bench_favouring("triton"), level="fast", report=lambda s: None)
     assert entry.provider in ("aten", "epilogue") and not any(k.startswith("triton:") for k in entry.times)
 
@@ -119,7 +119,26 @@ def test_every_provider_path_of_the_ops_gives_the_unfused_result(monkeypatch):
         torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
         out = torch.ops.resfuse.gemm(gemm_a, gemm_b, [bias], "gelu(add(acc,c0))", [7, 3], "triton")
         torch.testing.assert_close(out, F.gelu(gemm_a @ gemm_b + bias), rtol=1e-4, atol=1e-4)
+        out, aux = torch.ops.resfuse.gemm_aux(gemm_a, gemm_b, [bias], "gelu(aux(add(acc,c0)))", [7, 3], "triton")
+        torch.testing.assert_close(out, F.gelu(gemm_a @ gemm_b + bias), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(aux, gemm_a @ gemm_b + bias, rtol=1e-4, atol=1e-4)
+        out, aux = torch.ops.resfuse.conv2d_aux(x, w, [], "silu(aux(acc))", [1, 1], [1, 1], [1, 1], "triton")
+        pre = F.conv2d(x.double(), w.double(), padding=1)
+        torch.testing.assert_close(out.double(), F.silu(pre), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(aux.double(), pre, rtol=1e-4, atol=1e-4)
         assert fused.PATHS[("conv2d", SIG, provider)] >= 1
+
+
+@pytest.mark.parametrize("winner", ["aten", "triton", "epilogue"])
+def test_tuning_an_op_with_an_aux_output_writes_scratch_only(winner):
+    """Candidates write their own aux outputs: the op's (still unwritten: NaN) is left alone while tuning."""
+    call = conv_call()
+    aux = torch.full(call.out.shape, float("nan"))
+    call = ch.Call(call.op, call.inputs, call.operands, "relu(add(aux(bn[#1e-05](acc,c0,c1,c2,c3)),full4))",
+                   call.params, call.out, aux)
+    entry = ch.tune(call, bench=bench_favouring(winner), level="fast", report=lambda s: None)
+    assert entry.provider == winner and any(k.startswith("triton:") for k in entry.times)
+    assert torch.isnan(aux).all()
 
 
 def test_no_correct_candidate_runs_unfused_and_is_not_measured_again(tmp_path, monkeypatch):
