@@ -4,7 +4,8 @@
 
 One process tunes with a fresh cache (cold). Then, each in a fresh process: resfuse's warm start under
 cProfile (top functions by cumulative and own time, written to $OUT), resfuse's warm start with phase timings,
-and torch.compile default's warm start (its own FX graph cache warm from a first process) as the peer.
+and torch.compile default's warm start (its own FX graph cache warm from a first process) as the peer; and
+the capture alone (resfuse.explain: dynamo, aot_autograd and our passes, no kernel), the part torch sets.
 """
 import argparse
 import cProfile
@@ -32,6 +33,8 @@ def first_output(args, cache_dir: str) -> dict:
     t1 = time.perf_counter()
     if args.peer == "compile":
         compiled = torch.compile(model)
+    elif args.peer == "capture":  # dynamo + aot_autograd + our passes, then the captured graph in eager ops
+        compiled = lambda x: resfuse.explain(model, x, cache_dir=cache_dir)  # noqa: E731
     else:
         compiled = resfuse.compile(model, cache_dir=cache_dir, cuda_graphs=args.graphs, tuning_budget_s=60.0)
     with torch.no_grad():
@@ -94,6 +97,7 @@ def main():
     rows["resfuse warm (profiled)"] = spawn(args, cache_dir, "--profile")
     rows["resfuse warm"] = spawn(args, cache_dir)
     rows["resfuse+graphs warm"] = spawn(args, cache_dir, "--graphs")
+    rows["capture alone (explain)"] = spawn(args, cache_dir, "--peer", "capture")
     rows["compile first"] = spawn(args, cache_dir, "--peer", "compile")
     rows["compile warm"] = spawn(args, cache_dir, "--peer", "compile")
     with open(os.path.join(args.out, f"warm_start_{args.model}_bs{args.batch}.json"), "w") as f:
