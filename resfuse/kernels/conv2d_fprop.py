@@ -1,7 +1,8 @@
 """Conv2d forward family: implicit-GEMM Triton mainloop, its config space and its heuristic default.
 
-Entry points: `conv2d_fprop_mainloop` (@triton.jit, called by the generated kernels, see codegen.py),
-`FAMILY`, `ConvConfig` (the typed tuning space) and `default_config(problem)`.
+Entry points: `conv2d_fprop_mainloop` and `conv2d_tma_mainloop` (@triton.jit, called by the generated kernels,
+see codegen.py), `FAMILY` and `TMA_FAMILY`, `tma_box`, `ConvConfig` (the typed tuning space) and
+`default_config(problem)`.
 
 The GEMM view: rows are output pixels (n, oh, ow), columns are output channels k, the reduction runs over
 (r, s, c) with c innermost. So an input tile is BM pixels x BK channels, contiguous in channels_last, and a
@@ -19,7 +20,7 @@ import triton.language as tl
 
 from .codegen import Family
 from .matmul import split_k_heuristic, tiles_fit
-from .tiles import cdiv, k_range, mma, tile_offsets
+from .tiles import cdiv, k_range, mma, swizzle_tile, tile_offsets
 
 
 @triton.jit
@@ -78,6 +79,67 @@ def conv2d_fprop_mainloop(x, w, NB, H, W, C, KO, OH, OW, R, S,
     return acc, pid, pid_k, n_i, p_i, offs_m < M, out_rows, offs_n
 
 
+@triton.jit
+def conv2d_tma_mainloop(x_desc, w_desc, NB, H, W, C, KO, OH, OW, R, S, s_on, s_oh, s_ow, pad_h, pad_w, dil_h, dil_w,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                        SPLIT_K: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, PRECISION: tl.constexpr):
+    """conv2d_fprop_mainloop for a stride-1 conv whose channels_last input and weight TMA descriptors read.
+
+    A tile is a box of output pixels, BM // (BH * BW) images x BH rows x BW columns, so that for each tap
+    (r, s) its inputs are one shifted [images, BH, BW, BK] box of the NHWC input: one bulk copy, no address
+    math, and the box's parts past an edge (the padding, negative coordinates included) read as zeros. The
+    weight tile is a [BN, 1, 1, BK] box of the KRSC weight. Pixels of the box past the output's edge are
+    computed and masked at the store."""
+    IMGS: tl.constexpr = BM // (BH * BW)
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(2)
+    tiles_w = cdiv(OW, BW)
+    tiles_h = cdiv(OH, BH)
+    tile_m, tile_n = swizzle_tile(pid, cdiv(NB, IMGS) * tiles_h * tiles_w, cdiv(KO, BN), GROUP_M)
+    n0 = tile_m // (tiles_h * tiles_w) * IMGS
+    oh0 = tile_m // tiles_w % tiles_h * BH
+    ow0 = tile_m % tiles_w * BW
+    c_blocks = cdiv(C, BK)
+    lo, hi = k_range(pid_k, R * S * c_blocks, SPLIT_K)
+    acc = tl.full((BM, BN), 0.0, dtype=tl.float32)
+    for t in range(lo, hi):
+        rs = t // c_blocks
+        c0 = (t - rs * c_blocks) * BK
+        r = rs // S
+        s = rs % S
+        x_t = x_desc.load([n0, oh0 - pad_h + r * dil_h, ow0 - pad_w + s * dil_w, c0]).reshape(BM, BK)
+        w_t = w_desc.load([tile_n * BN, r, s, c0]).reshape(BN, BK)
+        acc = mma(x_t, tl.trans(w_t), acc, PRECISION)
+    i = tl.arange(0, BM)
+    n_i = n0 + i // (BH * BW)
+    oh = oh0 + i // BW % BH
+    ow = ow0 + i % BW
+    row_ok = (n_i < NB) & (oh < OH) & (ow < OW)
+    offs_n = tile_n * BN + tl.arange(0, BN)
+    return acc, pid, pid_k, n_i, oh * OW + ow, row_ok, n_i * s_on + oh * s_oh + ow * s_ow, offs_n
+
+
+TMA_FAMILY = Family(
+    name="conv2d_tma", module=__name__, mainloop="conv2d_tma_mainloop",
+    args=("x_desc", "w_desc", "NB", "H", "W", "C", "KO", "OH", "OW", "R", "S", "s_on", "s_oh", "s_ow",
+          "pad_h", "pad_w", "dil_h", "dil_w"),
+    constexprs=("BM", "BN", "BK", "GROUP_M", "SPLIT_K", "BH", "BW", "PRECISION"),
+    n_cols="KO", s_out_c="s_ok",
+)
+
+
+def tma_box(block_m: int, n: int, oh: int, ow: int, r: int = 3, s: int = 3) -> tuple[int, int]:
+    """(BH, BW) of the TMA mainloop's pixel box for BM = block_m (the rest of BM is whole images): powers of two
+    (Triton's tiles are) that read the fewest input pixels per output pixel: the computed pixels past the
+    output's edges, times the halo an r x s window adds around each image's box."""
+    def cost(bh, bw):
+        imgs = block_m // (bh * bw)
+        padded = (triton.cdiv(n, imgs) * imgs) * (triton.cdiv(oh, bh) * bh) * (triton.cdiv(ow, bw) * bw)
+        return padded * (bh + r - 1) * (bw + s - 1) / (bh * bw)
+    boxes = [(1 << i, 1 << j) for i in range(9) for j in range(9) if (1 << (i + j)) <= block_m]
+    return min(boxes, key=lambda b: (cost(*b), -b[1]))
+
+
 FAMILY = Family(
     name="conv2d_fprop", module=__name__, mainloop="conv2d_fprop_mainloop",
     args=("x", "w", "NB", "H", "W", "C", "KO", "OH", "OW", "R", "S",
@@ -116,10 +178,11 @@ class ConvConfig:
     flat: bool = False
     num_warps: int = 8
     num_stages: int = 3
-    tma: bool = False  # a 1x1 conv as a GEMM on matmul.gemm_tma_mainloop; only where launch.conv_as_gemm accepts it
+    tma: bool = False  # TMA descriptors: a 1x1 conv as a GEMM (matmul.gemm_tma_mainloop) where launch.conv_as_gemm
+    #                    accepts it, else conv2d_tma_mainloop where launch.conv_tma_operands does; else ignored
 
     def check(self, p: ConvProblem) -> bool:
-        return tiles_fit(self, p.dtype_bytes) and not (self.tma and (self.flat or (p.r, p.s) != (1, 1)))
+        return tiles_fit(self, p.dtype_bytes) and not (self.tma and (self.flat or self.block_k * p.dtype_bytes < 16))
 
 
 SPACE = {  # the tuner (tuning/space.py) enumerates this product and keeps the configs that pass check()

@@ -16,11 +16,13 @@ import torch
 import triton
 
 from .. import epilogue as epi
+from ..ops.fused import dense_strides
 from . import codegen, options, split_k
 from .elementwise import FAMILY as EWISE_FAMILY, default_config as ewise_config
 from .conv2d_bwd_data import FAMILY as DGRAD_FAMILY, DgradConfig, DgradProblem, tap_inverse
 from .conv2d_bwd_data import default_config as dgrad_config
-from .conv2d_fprop import FAMILY as CONV_FAMILY, ConvConfig, ConvProblem, default_config as conv_config
+from .conv2d_fprop import FAMILY as CONV_FAMILY, TMA_FAMILY as CONV_TMA_FAMILY, ConvConfig, ConvProblem, tma_box
+from .conv2d_fprop import default_config as conv_config
 from .matmul import FAMILY as GEMM_FAMILY, TMA_FAMILY as GEMM_TMA_FAMILY, GemmConfig, GemmProblem
 from .matmul import default_config as gemm_config
 
@@ -221,9 +223,23 @@ def conv_as_gemm(x: torch.Tensor, w: torch.Tensor, stride, padding, out_strides)
     return (a, b) if tma_operands(a, b) is not None else None
 
 
+def conv_tma_operands(x: torch.Tensor, w: torch.Tensor, stride) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(x as NHWC, w as KRSC) views when conv2d_tma_mainloop can read them through descriptors: stride 1,
+    groups 1, channels_last input and weight, channel rows 16-byte aligned; else None."""
+    xv, wv = x.permute(0, 2, 3, 1), w.permute(0, 2, 3, 1)
+    if list(stride) != [1, 1] or w.shape[1] != x.shape[1] or not (xv.is_contiguous() and wv.is_contiguous()):
+        return None
+    aligned = all(t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0 for t in (xv, wv))
+    if not aligned:
+        return None
+    # the strides a descriptor checks, a size-1 dim's included (torch may give those stride 1)
+    return tuple(t.as_strided(t.shape, dense_strides(t.shape), t.storage_offset()) for t in (xv, wv))
+
+
 def conv2d(x: torch.Tensor, w: torch.Tensor, operands, signature: str, stride, padding, dilation,
            out: torch.Tensor, config: ConvConfig | None = None, aux: torch.Tensor | None = None) -> torch.Tensor:
-    if config is not None and config.tma and conv_as_gemm(x, w, stride, padding, out.stride()) is None:
+    if (config is not None and config.tma and conv_as_gemm(x, w, stride, padding, out.stride()) is None
+            and conv_tma_operands(x, w, stride) is None):
         config = dataclasses.replace(config, tma=False)
     key = plan_key("conv2d", signature, tuple(stride), tuple(padding), tuple(dilation), config, options()["split_k"],
                x, w, out, aux, *operands)
@@ -247,12 +263,38 @@ def _conv_plan(x, w, operands, signature, stride, padding, dilation, out, config
     if cfg.tma and conv_as_gemm(x, w, stride, padding, out.stride()) is not None:  # a 1x1 conv as a GEMM
         return _tma_plan(lambda x, w: conv_as_gemm(x, w, stride, padding, out.stride()), (x, w), operands,
                          signature, out, 1, cfg, split, tiles, (oh * ow, s_on, s_ow, s_ok))
+    if cfg.tma and conv_tma_operands(x, w, stride) is not None:
+        return _tma_conv_plan(x, w, operands, signature, out, cfg, split, padding, dilation)
     head = [nb, h, wd, c, ko, oh, ow, r, s, *x.stride(), *w.stride(), s_on, s_oh, s_ow, stride[0], stride[1],
             padding[0], padding[1], dilation[0], dilation[1], s_ok]
     meta = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split, FLAT=cfg.flat,
                 PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return Plan(codegen.load(CONV_FAMILY, signature), (tiles, 1, split), head,
                 operand_strides(signature, operands, out.shape, 1), meta, (tiles, split, cfg.block_m, cfg.block_n))
+
+
+def _tma_conv_plan(x, w, operands, signature, out, cfg, split, padding, dilation) -> Plan:
+    """A plan for conv2d_tma_mainloop: each call makes the NHWC input's and KRSC weight's descriptors."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    nb, c, h, wd = x.shape
+    ko, _, r, s = w.shape
+    oh, ow = out.shape[2:]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    bh, bw = tma_box(bm, nb, oh, ow, (r - 1) * dilation[0] + 1, (s - 1) * dilation[1] + 1)
+    imgs = bm // (bh * bw)
+
+    def descriptors(x, w):
+        xv, wv = conv_tma_operands(x, w, (1, 1))
+        return (TensorDescriptor.from_tensor(xv, [imgs, bh, bw, bk]), TensorDescriptor.from_tensor(wv, [bn, 1, 1, bk]))
+
+    tiles = triton.cdiv(nb, imgs) * triton.cdiv(oh, bh) * triton.cdiv(ow, bw) * triton.cdiv(ko, bn)
+    s_on, s_ok, s_oh, s_ow = out.stride()
+    head = [nb, h, wd, c, ko, oh, ow, r, s, s_on, s_oh, s_ow, padding[0], padding[1], dilation[0], dilation[1], s_ok]
+    meta = dict(BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, SPLIT_K=split, BH=bh, BW=bw, PRECISION=_precision(x.dtype),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return Plan(codegen.load(CONV_TMA_FAMILY, signature), (tiles, 1, split), head,
+                operand_strides(signature, operands, out.shape, 1), meta, (tiles, split, bm, bn), descriptors)
 
 
 def conv2d_dgrad(grad_out: torch.Tensor, w: torch.Tensor, operands, signature: str, stride, padding, dilation,

@@ -47,7 +47,8 @@ def _tma_readable(call) -> bool:
     if call.op == "gemm":
         return launch.tma_operands(*call.inputs) is not None
     if call.op == "conv2d":
-        return launch.conv_as_gemm(*call.inputs, *call.params[:2], call.out.strides) is not None
+        return (launch.conv_as_gemm(*call.inputs, *call.params[:2], call.out.strides) is not None
+                or launch.conv_tma_operands(*call.inputs, call.params[0]) is not None)
     return False
 
 

@@ -115,3 +115,51 @@ def test_tma_conv_config_falls_back_where_the_conv_is_no_plain_gemm():
     tma_out = torch.full_like(out, float("nan"))
     launch.conv2d(x, w, [], "relu(acc)", [1, 1], [1, 1], [1, 1], tma_out, cfg)
     torch.testing.assert_close(tma_out, out)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from(DTYPES), n=st.integers(1, 3), c8=st.integers(1, 3),
+       k=st.integers(1, 40), hw=st.tuples(st.integers(1, 9), st.integers(1, 9)), rs=st.sampled_from([1, 2, 3, 5]),
+       padding=st.sampled_from([0, 1, 2]), dilation=st.sampled_from([1, 2]), split=st.sampled_from([1, 2, 3]),
+       tile=st.sampled_from([(16, 16, 8), (32, 16, 16), (64, 32, 8), (16, 32, 16)]))
+def test_tma_conv_mainloop_epilogues(data, dtype, n, c8, k, hw, rs, padding, dilation, split, tile):
+    """Stride-1 channels_last convs on the TMA mainloop: boxes of output pixels (several images per box when the
+    image is small) whose shifted input boxes read the padding, negative coordinates included, as zeros."""
+    h, w_ = hw
+    assume(min(h, w_) + 2 * padding - dilation * (rs - 1) - 1 >= 0)
+    c = 8 * c8
+    tree, roles = data.draw(trees(aux=True))
+    x = with_layout(torch.randn(n, c, h, w_).to(dtype), "channels_last")
+    w = with_layout((torch.randn(k, c, rs, rs) / (c * rs * rs) ** 0.5).to(dtype), "channels_last")
+    assert launch.conv_tma_operands(x, w, (1, 1)) is not None
+    out_shape = conv_out_shape(x, w, (1, 1), (padding,) * 2, (dilation,) * 2)
+    operands = [make_operand(role, kind, out_shape, 1, dtype, 1) for kind, role in roles]
+    out = torch.full(out_shape, float("nan"), dtype=dtype).contiguous(memory_format=torch.channels_last)
+    aux = poisoned_aux(tree, out)
+    cfg = launch.ConvConfig(*tile, group_m=2, split_k=split, num_warps=4, num_stages=2, tma=True)
+    launch.conv2d(x, w, operands, str(tree), [1, 1], [padding] * 2, [dilation] * 2, out, cfg, aux)
+    acc = F.conv2d(x.double(), w.double(), None, 1, padding, dilation)
+    assert_close(epi.rows3(out, out.shape, 1), reference(acc, tree, operands, 1), dtype)
+    check_aux(aux, acc, tree, operands, 1, dtype)
+
+
+def test_tma_conv_needs_stride_1_channels_last_and_aligned_channels():
+    cl = torch.channels_last
+    x, w = torch.randn(1, 8, 5, 5).to(memory_format=cl), torch.randn(4, 8, 3, 3).to(memory_format=cl)
+    assert launch.conv_tma_operands(x, w, (1, 1)) is not None
+    assert launch.conv_tma_operands(x, w, (2, 2)) is None
+    assert launch.conv_tma_operands(x.contiguous(), w, (1, 1)) is None
+    assert launch.conv_tma_operands(x[:, :6], w[:, :6], (1, 1)) is None  # 24-byte fp32 rows
+    # a TMA config where the descriptors cannot read runs the pointer mainloop, with the same result
+    cfg = launch.ConvConfig(16, 16, 8, 2, 1, False, 4, 2, True)
+    out = torch.full((1, 4, 3, 3), float("nan"))
+    launch.conv2d(x.contiguous(), w, [], "acc", [1, 1], [0, 0], [1, 1], out, cfg)
+    torch.testing.assert_close(out, F.conv2d(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_tma_box_wastes_the_fewest_pixels():
+    from resfuse.kernels.conv2d_fprop import tma_box
+
+    assert tma_box(128, 32, 56, 56) == (8, 8)  # two images' 8 x 8 boxes: 56 = 7 x 8, nothing wasted
+    assert tma_box(128, 32, 28, 28) == (4, 32)  # 28 = 7 x 4 rows; 32 columns waste 4 of 32
+    assert tma_box(128, 32, 7, 7) == (8, 8)  # two images per box, 49 of 64 pixels each

@@ -29,14 +29,18 @@ def test_max_level_drops_tma_points_for_batched_products():
     assert found and not any(c.tma for c in found)
 
 
-def test_1x1_channels_last_convs_get_tma_variants_and_3x3_convs_do_not():
-    def conv_call(x, w, padding):
-        out = Output.of([x.shape[0], w.shape[0], *x.shape[2:]], x.dtype, x.device, torch.channels_last)
-        return Call("conv2d", (x, w), [], "acc", ([1, 1], padding, [1, 1]), out)
+def test_stride_1_channels_last_convs_get_tma_variants_and_the_others_do_not():
+    def conv_call(x, w, padding, stride=1):
+        oh = (x.shape[2] + 2 * padding[0] - w.shape[2]) // stride + 1
+        out = Output.of([x.shape[0], w.shape[0], oh, oh], x.dtype, x.device, torch.channels_last)
+        return Call("conv2d", (x, w), [], "acc", ([stride, stride], padding, [1, 1]), out)
 
-    x = torch.randn(2, 64, 7, 7).half().contiguous(memory_format=torch.channels_last)
-    one = conv_call(x, torch.randn(256, 64, 1, 1).half(), [0, 0])
-    three = conv_call(x, torch.randn(64, 64, 3, 3).half().contiguous(memory_format=torch.channels_last), [1, 1])
-    offered = space.configs(one, "fast")
-    assert [c.tma for c in offered].count(False) == 1 and len(offered) >= 3
-    assert not any(c.tma for c in space.configs(three, "fast"))
+    cl = torch.channels_last
+    x = torch.randn(2, 64, 7, 7).half().contiguous(memory_format=cl)
+    one = conv_call(x, torch.randn(256, 64, 1, 1).half(), [0, 0])  # a GEMM
+    w3 = torch.randn(64, 64, 3, 3).half().contiguous(memory_format=cl)
+    for call in (one, conv_call(x, w3, [1, 1])):  # the GEMM, and the 3x3 conv on its box mainloop
+        offered = space.configs(call, "fast")
+        assert [c.tma for c in offered].count(False) == 1 and len(offered) >= 3
+    assert not any(c.tma for c in space.configs(conv_call(x, w3, [1, 1], stride=2), "fast"))
+    assert not any(c.tma for c in space.configs(conv_call(x.contiguous(), w3, [1, 1]), "fast"))
