@@ -75,13 +75,18 @@ def test_each_input_signature_keeps_its_graph(monkeypatch):
             return True
 
     wrapped, w = OnCuda(fn), torch.randn(4)
+    # every input kept alive: a freed one's address may come back for the next (the allocator's choice), and
+    # an input seen twice at one address counts as static (read in place) until it moves, then captures again
+    kept = []
     for step in range(6):  # batch sizes 2, 3, 2, 3, ...: two first calls, two captures, then replays only
         x = torch.randn(2 + step % 2, 4)
+        kept.append(x)
         assert torch.equal(wrapped([x, w])[0], x * w)
     assert _FakeGraph.made == 2 and len(wrapped.captures) == 2
     ran = len(calls)
     for step in range(4):
         x = torch.randn(2 + step % 2, 4)
+        kept.append(x)
         assert torch.equal(wrapped([x, w])[0], x * w)
     assert len(calls) == ran and _FakeGraph.made == 2  # replays: the function itself never ran again
     x5 = torch.randn(5, 4)
