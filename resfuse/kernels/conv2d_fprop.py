@@ -82,7 +82,8 @@ def conv2d_fprop_mainloop(x, w, NB, H, W, C, KO, OH, OW, R, S,
 @triton.jit
 def conv2d_tma_mainloop(x_desc, w_desc, NB, H, W, C, KO, OH, OW, R, S, s_on, s_oh, s_ow, pad_h, pad_w, dil_h, dil_w,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                        SPLIT_K: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, PRECISION: tl.constexpr):
+                        SPLIT_K: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, PRECISION: tl.constexpr,
+                        WS: tl.constexpr):
     """conv2d_fprop_mainloop for a stride-1 conv whose channels_last input and weight TMA descriptors read.
 
     A tile is a box of output pixels, BM // (BH * BW) images x BH rows x BW columns, so that for each tap
@@ -102,7 +103,7 @@ def conv2d_tma_mainloop(x_desc, w_desc, NB, H, W, C, KO, OH, OW, R, S, s_on, s_o
     c_blocks = cdiv(C, BK)
     lo, hi = k_range(pid_k, R * S * c_blocks, SPLIT_K)
     acc = tl.full((BM, BN), 0.0, dtype=tl.float32)
-    for t in range(lo, hi):
+    for t in tl.range(lo, hi, warp_specialize=WS):
         rs = t // c_blocks
         c0 = (t - rs * c_blocks) * BK
         r = rs // S
@@ -123,7 +124,7 @@ TMA_FAMILY = Family(
     name="conv2d_tma", module=__name__, mainloop="conv2d_tma_mainloop",
     args=("x_desc", "w_desc", "NB", "H", "W", "C", "KO", "OH", "OW", "R", "S", "s_on", "s_oh", "s_ow",
           "pad_h", "pad_w", "dil_h", "dil_w"),
-    constexprs=("BM", "BN", "BK", "GROUP_M", "SPLIT_K", "BH", "BW", "PRECISION"),
+    constexprs=("BM", "BN", "BK", "GROUP_M", "SPLIT_K", "BH", "BW", "PRECISION", "WS"),
     n_cols="KO", s_out_c="s_ok",
 )
 
@@ -181,14 +182,17 @@ class ConvConfig:
     tma: bool = False  # TMA descriptors: a 1x1 conv as a GEMM (matmul.gemm_tma_mainloop) where launch.conv_as_gemm
     #                    accepts it, else conv2d_tma_mainloop where launch.conv_tma_operands does; else ignored
 
+    ws: bool = False  # warp-specialise a TMA mainloop's loop (ignored without tma)
+
     def check(self, p: ConvProblem) -> bool:
-        return tiles_fit(self, p.dtype_bytes) and not (self.tma and (self.flat or self.block_k * p.dtype_bytes < 16))
+        return (tiles_fit(self, p.dtype_bytes) and not (self.tma and (self.flat or self.block_k * p.dtype_bytes < 16))
+                and not (self.ws and not self.tma))
 
 
 SPACE = {  # the tuner (tuning/space.py) enumerates this product and keeps the configs that pass check()
     "block_m": (32, 64, 128, 256), "block_n": (32, 64, 128, 256), "block_k": (16, 32, 64),
     "group_m": (8,), "split_k": (1, 2, 4, 8), "flat": (False, True), "num_warps": (4, 8), "num_stages": (2, 3, 4),
-    "tma": (False, True),
+    "tma": (False, True), "ws": (False, True),
 }
 
 

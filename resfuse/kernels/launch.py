@@ -205,7 +205,7 @@ def _tma_plan(as_matrices, inputs, operands, signature, out, channel_dim, cfg, s
 
     rps, s_os, s_om, s_on = out_view
     meta = dict(BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, SPLIT_K=split, B_KN=b_kn,
-                PRECISION=_precision(a.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                PRECISION=_precision(a.dtype), WS=cfg.ws, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return Plan(codegen.load(GEMM_TMA_FAMILY, signature), (tiles_mn, 1, split), [m, n, k, rps, s_os, s_om, s_on],
                 operand_strides(signature, operands, out.shape, channel_dim), meta, (tiles_mn, split, bm, bn),
                 descriptors)
@@ -292,7 +292,7 @@ def _tma_conv_plan(x, w, operands, signature, out, cfg, split, padding, dilation
     s_on, s_ok, s_oh, s_ow = out.stride()
     head = [nb, h, wd, c, ko, oh, ow, r, s, s_on, s_oh, s_ow, padding[0], padding[1], dilation[0], dilation[1], s_ok]
     meta = dict(BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, SPLIT_K=split, BH=bh, BW=bw, PRECISION=_precision(x.dtype),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                WS=cfg.ws, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return Plan(codegen.load(CONV_TMA_FAMILY, signature), (tiles, 1, split), head,
                 operand_strides(signature, operands, out.shape, 1), meta, (tiles, split, bm, bn), descriptors)
 

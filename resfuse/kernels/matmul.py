@@ -68,16 +68,17 @@ FAMILY = Family(
 @triton.jit
 def gemm_tma_mainloop(a_desc, b_desc, M, N, K, RPS, s_os, s_om,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                      SPLIT_K: tl.constexpr, B_KN: tl.constexpr, PRECISION: tl.constexpr):
+                      SPLIT_K: tl.constexpr, B_KN: tl.constexpr, PRECISION: tl.constexpr, WS: tl.constexpr):
     """gemm_mainloop for a 2-D A [M, K] and B read through TMA tensor descriptors (Hopper's bulk tile copies):
     no per-element address math, and boxes past an edge read as zeros, so no M, N or K masks. B is [K, N]
-    (B_KN) or, for a linear layer's transposed weight, the [N, K] matrix it is a view of."""
+    (B_KN) or, for a linear layer's transposed weight, the [N, K] matrix it is a view of. WS: Triton's warp
+    specialisation of the loop (producer warps issue the copies, consumer warps the MMAs)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(2)
     tile_m, tile_n = swizzle_tile(pid, cdiv(M, BM), cdiv(N, BN), GROUP_M)
     lo, hi = k_range(pid_k, cdiv(K, BK), SPLIT_K)
     acc = tl.full((BM, BN), 0.0, dtype=tl.float32)
-    for kb in range(lo, hi):
+    for kb in tl.range(lo, hi, warp_specialize=WS):
         a_t = a_desc.load([tile_m * BM, kb * BK])
         if B_KN:
             b_t = b_desc.load([kb * BK, tile_n * BN])
@@ -94,7 +95,7 @@ def gemm_tma_mainloop(a_desc, b_desc, M, N, K, RPS, s_os, s_om,
 TMA_FAMILY = Family(
     name="gemm_tma", module=__name__, mainloop="gemm_tma_mainloop",
     args=("a_desc", "b_desc", "M", "N", "K", "RPS", "s_os", "s_om"),
-    constexprs=("BM", "BN", "BK", "GROUP_M", "SPLIT_K", "B_KN", "PRECISION"),
+    constexprs=("BM", "BN", "BK", "GROUP_M", "SPLIT_K", "B_KN", "PRECISION", "WS"),
     n_cols="N", s_out_c="s_on",
 )
 
@@ -120,9 +121,10 @@ class GemmConfig:
     num_warps: int = 8
     num_stages: int = 3
     tma: bool = False  # gemm_tma_mainloop; only where launch.tma_operands accepts the operands
+    ws: bool = False  # warp-specialise the TMA mainloop's loop (ignored without tma)
 
     def check(self, p: GemmProblem) -> bool:
-        return tiles_fit(self, p.dtype_bytes) and not (self.tma and p.batch > 1)
+        return tiles_fit(self, p.dtype_bytes) and not (self.tma and p.batch > 1) and not (self.ws and not self.tma)
 
 
 def tiles_fit(cfg, dtype_bytes: int) -> bool:
@@ -135,7 +137,7 @@ def tiles_fit(cfg, dtype_bytes: int) -> bool:
 
 SPACE = {  # the tuner (tuning/space.py) enumerates this product and keeps the configs that pass check()
     "block_m": (32, 64, 128, 256), "block_n": (32, 64, 128, 256), "block_k": (32, 64, 128),
-    "group_m": (8,), "split_k": (1, 2, 4, 8), "num_warps": (4, 8), "num_stages": (2, 3, 4, 5), "tma": (False, True),
+    "group_m": (8,), "split_k": (1, 2, 4, 8), "num_warps": (4, 8), "num_stages": (2, 3, 4, 5), "tma": (False, True), "ws": (False, True),
 }
 
 

@@ -136,7 +136,8 @@ def test_tma_conv_mainloop_epilogues(data, dtype, n, c8, k, hw, rs, padding, dil
     operands = [make_operand(role, kind, out_shape, 1, dtype, 1) for kind, role in roles]
     out = torch.full(out_shape, float("nan"), dtype=dtype).contiguous(memory_format=torch.channels_last)
     aux = poisoned_aux(tree, out)
-    cfg = launch.ConvConfig(*tile, group_m=2, split_k=split, num_warps=4, num_stages=2, tma=True)
+    cfg = launch.ConvConfig(*tile, group_m=2, split_k=split, num_warps=4, num_stages=2, tma=True,
+                            ws=data.draw(st.booleans()))
     launch.conv2d(x, w, operands, str(tree), [1, 1], [padding] * 2, [dilation] * 2, out, cfg, aux)
     acc = F.conv2d(x.double(), w.double(), None, 1, padding, dilation)
     assert_close(epi.rows3(out, out.shape, 1), reference(acc, tree, operands, 1), dtype)

@@ -104,7 +104,8 @@ def test_tma_mainloop_epilogues(data, dtype, m, n8, k8, b_cm, split, tile):
     assert launch.tma_operands(a, b)[1] == (not b_cm)  # the descriptor path, with B's orientation
     operands = [make_operand(role, kind, [m, n], -1, dtype, 0) for kind, role in roles]
     out = torch.full((m, n), float("nan"), dtype=dtype)
-    cfg = launch.GemmConfig(*tile, group_m=2, split_k=split, num_warps=4, num_stages=2, tma=True)
+    cfg = launch.GemmConfig(*tile, group_m=2, split_k=split, num_warps=4, num_stages=2, tma=True,
+                            ws=data.draw(st.booleans()))
     aux = poisoned_aux(tree, out)
     launch.gemm(a, b, operands, str(tree), out, cfg, aux)
     acc = torch.matmul(a.double(), b.double())
