@@ -6,6 +6,8 @@ One process tunes with a fresh cache (cold). Then, each in a fresh process: resf
 cProfile (top functions by cumulative and own time, written to $OUT), resfuse's warm start with phase timings,
 and torch.compile default's warm start (its own FX graph cache warm from a first process) as the peer; and
 the capture alone (resfuse.explain: dynamo, aot_autograd and our passes, no kernel), the part torch sets.
+Where the Python image writes no bytecode (PYTHONDONTWRITEBYTECODE), every process compiles torch's sources
+again: unset it and set PYTHONPYCACHEPREFIX to a writable folder to time what a user's machine would see.
 """
 import argparse
 import cProfile
