@@ -102,8 +102,8 @@ class Group:
             return None
         order = {n: i for i, n in enumerate(operand.graph.nodes)}
         first = min(self.aux_users, key=order.__getitem__)
-        if order[operand] > order[first]:
-            return f"operand {operand.name} comes after {first.name}, which reads the saved pre-activation"
+        if order[operand] >= order[first]:  # itself a reader, or after one
+            return f"operand {operand.name} is or follows {first.name}, which reads the saved pre-activation"
         return None
 
     def absorb(self, node: fx.Node, tree: epi.Node, out: fx.Node | None = None, extra: tuple = ()) -> None:

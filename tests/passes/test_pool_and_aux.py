@@ -1,0 +1,96 @@
+"""The max-pool pass and aux outputs through whole compiles under the interpreter: random pool geometries and
+layouts match eager forward and backward, refusals say why, and an aux output never lets an operand come
+from one of its own readers."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import resfuse
+from resfuse.ops import PATHS
+
+from .helpers import reasons, rel
+
+
+class Pool(nn.Module):
+    def __init__(self, kernel, stride, padding, dilation, ceil_mode, relu_first):
+        super().__init__()
+        self.pool = nn.MaxPool2d(kernel, stride, padding, dilation, ceil_mode=ceil_mode)
+        self.relu_first = relu_first
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        x = x * self.scale
+        return self.pool(torch.relu(x) if self.relu_first else x) * 2
+
+
+@settings(max_examples=12, deadline=None)
+@given(kernel=st.integers(1, 3), stride=st.integers(1, 3), dilation=st.integers(1, 2), ceil_mode=st.booleans(),
+       relu_first=st.booleans(), channels_last=st.booleans(), size=st.tuples(st.integers(3, 9), st.integers(3, 9)),
+       train=st.booleans(), data=st.data())
+def test_random_max_pools_match_eager(kernel, stride, dilation, ceil_mode, relu_first, channels_last, size, train,
+                                      data):
+    padding = data.draw(st.integers(0, kernel // 2))
+    assume(min(size) + 2 * padding - dilation * (kernel - 1) - 1 >= 0)
+    model = Pool(kernel, stride, padding, dilation, ceil_mode, relu_first).train(train)
+    twin = copy.deepcopy(model)
+    x = torch.randint(-3, 4, (2, 5, *size)).float()  # ties: the first maximum must win, as in eager
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    xs = [x.clone().requires_grad_(train), x.clone().requires_grad_(train)]
+    torch._dynamo.reset()
+    PATHS.clear()
+    compiled = resfuse.compile(model, interpret=True)
+    with torch.set_grad_enabled(train):
+        out, ref = compiled(xs[0]), twin(xs[1])
+    assert torch.equal(out, ref)
+    assert PATHS[("max_pool2d", "", "triton")] == 1
+    if train:
+        out.square().sum().backward()
+        ref.square().sum().backward()
+        assert rel(xs[0].grad, xs[1].grad) < 1e-6 and rel(model.scale.grad, twin.scale.grad) < 1e-6
+        assert PATHS[("max_pool2d_backward", "", "triton")] == 1
+
+
+def test_unbatched_pool_is_refused_with_a_reason():
+    torch._dynamo.reset()
+    compiled = resfuse.compile(nn.MaxPool2d(2), interpret=True)
+    x = torch.randn(3, 6, 6)
+    assert torch.equal(compiled(x), nn.functional.max_pool2d(x, 2))
+    assert "unbatched" in reasons(compiled.resfuse_report)
+
+
+class SavedThenReused(nn.Module):
+    """linear -> gelu, with the pre-activation also read by a reduction whose result the epilogue then wants."""
+
+    def __init__(self, early_read):
+        super().__init__()
+        self.fc = nn.Linear(6, 8)
+        self.early_read = early_read
+
+    def forward(self, x):
+        y = self.fc(x)
+        u = y.sum(-1, keepdim=True)  # reads the saved value
+        a = nn.functional.gelu(y)
+        return a * u if self.early_read else a * 3.0 + u.mean()
+
+
+@pytest.mark.parametrize("early_read", [True, False])
+def test_an_operand_that_reads_the_aux_output_stays_out_of_the_epilogue(early_read):
+    torch.manual_seed(5)
+    model = SavedThenReused(early_read).eval()
+    x = torch.randn(4, 6)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(model, interpret=True)
+    with torch.no_grad():
+        out, ref = compiled(x), model(x)
+    assert rel(out, ref) < 1e-6
+    ops = [f.ops for f in compiled.resfuse_report.fusions]
+    if early_read:  # the mul's other operand is the sum of the saved value: absorbing it would form a cycle
+        assert ["bias", "save", "gelu"] in ops
+        assert "reads the saved pre-activation" in reasons(compiled.resfuse_report)
+    else:  # a scalar multiply needs no operand: it joins
+        assert ["bias", "save", "gelu", "mul"] in ops
