@@ -94,3 +94,32 @@ def test_an_operand_that_reads_the_aux_output_stays_out_of_the_epilogue(early_re
         assert "reads the saved pre-activation" in reasons(compiled.resfuse_report)
     else:  # a scalar multiply needs no operand: it joins
         assert ["bias", "save", "gelu", "mul"] in ops
+
+
+class SiluResidual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        return torch.relu(nn.functional.silu(self.conv(x)) + x)
+
+
+def test_fuse_add_to_output_reopens_an_op_with_an_aux_output():
+    """Training: conv + bias -> silu (its input saved: aux) -> + x -> relu. FuseAddToOutput reopens the aux op
+    for the add and the relu follows; the saved value still reaches the backward."""
+    torch.manual_seed(6)
+    model = SiluResidual().train()
+    twin = copy.deepcopy(model)
+    x = torch.randn(2, 4, 5, 5)
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    torch._dynamo.reset()
+    compiled = resfuse.compile(model, interpret=True)
+    loss, ref = compiled(xs[0]).square().sum(), twin(xs[1]).square().sum()
+    loss.backward()
+    ref.backward()
+    assert rel(loss, ref) < 1e-6 and rel(xs[0].grad, xs[1].grad) < 1e-5
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert rel(p.grad, q.grad) < 1e-5
+    forward = [f.ops for f in compiled.resfuse_report.fusions if f.graph == "forward"]
+    assert ["bias", "save", "silu", "add", "relu"] in forward, forward
