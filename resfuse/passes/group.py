@@ -100,6 +100,9 @@ class Group:
         must already exist by then (which also rules out a cycle through them)."""
         if not self.aux_users or not isinstance(operand, fx.Node):
             return None
+        source = self.aux_node if self.aux_node is not None else self.origin  # the value, or the op returning it
+        if source is not None and legality.depends_on(operand, source):
+            return f"operand {operand.name} is computed from the saved pre-activation (a cycle)"
         order = {n: i for i, n in enumerate(operand.graph.nodes)}
         first = min(self.aux_users, key=order.__getitem__)
         if order[operand] >= order[first]:  # itself a reader, or after one

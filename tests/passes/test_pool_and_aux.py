@@ -91,7 +91,7 @@ def test_an_operand_that_reads_the_aux_output_stays_out_of_the_epilogue(early_re
     ops = [f.ops for f in compiled.resfuse_report.fusions]
     if early_read:  # the mul's other operand is the sum of the saved value: absorbing it would form a cycle
         assert ["bias", "save", "gelu"] in ops
-        assert "reads the saved pre-activation" in reasons(compiled.resfuse_report)
+        assert "computed from the saved pre-activation" in reasons(compiled.resfuse_report)
     else:  # a scalar multiply needs no operand: it joins
         assert ["bias", "save", "gelu", "mul"] in ops
 
@@ -123,3 +123,29 @@ def test_fuse_add_to_output_reopens_an_op_with_an_aux_output():
         assert rel(p.grad, q.grad) < 1e-5
     forward = [f.ops for f in compiled.resfuse_report.fusions if f.graph == "forward"]
     assert ["bias", "save", "silu", "add", "relu"] in forward, forward
+
+
+class SiluByHand(nn.Module):
+    """y * sigmoid(y): the pre-activation is both the activation's input and the next op's operand."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y * torch.sigmoid(y)
+
+
+def test_the_saved_value_itself_never_becomes_an_operand_of_its_own_op():
+    torch.manual_seed(7)
+    model = SiluByHand().eval()
+    x = torch.randn(2, 3, 5, 5)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(model, interpret=True)
+    with torch.no_grad():
+        out, ref = compiled(x), model(x)
+    assert rel(out, ref) < 1e-6
+    assert not compiled.resfuse_report.errors
+    assert ["bias", "save", "sigmoid"] in [f.ops for f in compiled.resfuse_report.fusions]
+    assert "computed from the saved pre-activation" in reasons(compiled.resfuse_report)
