@@ -55,6 +55,12 @@ def test_aux_node_marks_the_saved_value():
     assert epi.aux_value(tree) == inner and epi.aux_value(inner) is None
     body = epi.triton_body(tree)
     assert "aux_y = t0" in body and body.strip().endswith("y = t1")
+    from resfuse.passes.report import bytes_saved
+
+    out = torch.empty(4, 8)
+    # unfused: acc written, bias read + written, gelu read + written (5N); fused: out and aux written (2N)
+    assert bytes_saved(tree, out) == 3 * out.numel() * 4
+    assert bytes_saved(epi.Op("gelu", (inner,)), out) == 4 * out.numel() * 4
 
 
 TORCH = {"relu": torch.relu, "clamp": lambda x: torch.clamp(x, -0.5, 6.0), "leaky_relu": lambda x: F.leaky_relu(x, 0.2),
