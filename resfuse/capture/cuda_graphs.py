@@ -24,18 +24,37 @@ class _Capture:
 
     def __init__(self):
         self.first_ptrs, self.graph, self.outputs = None, None, None
-        self.static, self.copied, self.static_ptrs = [], [], []
+        self.static, self.copied = [], []
+        self.fixed, self.fixed_ptrs, self.copied_sig = [], [], ()  # see matches()
+
+    def matches(self, args: tuple, ptrs: list) -> bool:
+        """Can this graph replay for `args` (their `ptrs`, see _ptrs)? The inputs it reads in place are where
+        they were at capture, and the ones it copies have its shapes, strides and dtypes. A model's hundreds of
+        parameters make this the host's cost per call, so it is list comparisons, not a per-input loop."""
+        return (len(ptrs) == len(self.static) and [ptrs[i] for i in self.fixed] == self.fixed_ptrs
+                and _signature([args[i] for i in self.copied]) == self.copied_sig)
+
+
+def _signature(args) -> tuple:
+    return tuple((a.shape, a.dtype, a.stride(), a.device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _ptrs(args) -> list:
+    """Each tensor input's address; other inputs (a dynamic batch's size) stand for themselves."""
+    return [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
 
 
 class CudaGraphed:
     """Boxed, like `fn`: called with a list of inputs, which it empties. One graph per input signature (a
-    dynamic batch brings several), at most MAX_SIGNATURES of them; past that the least recently used goes."""
+    dynamic batch brings several), at most MAX_SIGNATURES of them; past that the least recently used goes.
+    The last graph replayed is tried first, without hashing every input's signature."""
     _boxed_call = True
     MAX_SIGNATURES = 8
 
     def __init__(self, fn):
         self.fn = fn
         self.captures: dict[tuple, _Capture] = {}  # least recently used first
+        self.last: _Capture | None = None
 
     @property
     def graph(self):
@@ -43,18 +62,13 @@ class CudaGraphed:
         return next(reversed(self.captures.values())).graph if self.captures else None
 
     @staticmethod
-    def _signature(args) -> tuple:
-        return tuple((a.shape, a.dtype, a.stride(), a.device) if isinstance(a, torch.Tensor) else a for a in args)
-
-    @staticmethod
     def _on_cuda(args) -> bool:
         return any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
 
-    def _capture(self, cap: _Capture, args) -> None:
-        ptrs = [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args]
-        cap.copied = [i for i, a in enumerate(args)
-                      if isinstance(a, torch.Tensor) and ptrs[i] != cap.first_ptrs[i]]
-        cap.static = [a.clone() if i in cap.copied else a for i, a in enumerate(args)]
+    def _capture(self, cap: _Capture, args, ptrs: list) -> None:
+        cap.copied = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and ptrs[i] != cap.first_ptrs[i]]
+        copied = set(cap.copied)
+        cap.static = [a.clone() if i in copied else a for i, a in enumerate(args)]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -63,27 +77,29 @@ class CudaGraphed:
         cap.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(cap.graph):
             cap.outputs = self.fn(list(cap.static))
-        cap.static_ptrs = [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in cap.static]
+        cap.fixed = [i for i in range(len(args)) if i not in copied]
+        cap.fixed_ptrs = [ptrs[i] for i in cap.fixed]
+        cap.copied_sig = _signature([args[i] for i in cap.copied])
 
     def __call__(self, inputs: list):
         args = tuple(inputs)
         inputs.clear()
         if not self._on_cuda(args):
             return self.fn(list(args))
-        signature = self._signature(args)
-        cap = self.captures.pop(signature, None) or _Capture()
-        self.captures[signature] = cap  # now the most recently used
-        if len(self.captures) > self.MAX_SIGNATURES:
-            del self.captures[next(iter(self.captures))]
-        if cap.first_ptrs is None:
-            cap.first_ptrs = [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args]
-            return self.fn(list(args))
-        if cap.graph is not None and any(
-                i not in cap.copied and isinstance(a, torch.Tensor) and a.data_ptr() != cap.static_ptrs[i]
-                for i, a in enumerate(args)):
-            cap.graph = None  # a parameter or buffer moved: capture again
-        if cap.graph is None:
-            self._capture(cap, args)
+        ptrs = _ptrs(args)
+        cap = self.last
+        if cap is None or cap.graph is None or not cap.matches(args, ptrs):
+            signature = _signature(args)
+            cap = self.captures.pop(signature, None) or _Capture()
+            self.captures[signature] = cap  # now the most recently used
+            if len(self.captures) > self.MAX_SIGNATURES:
+                del self.captures[next(iter(self.captures))]
+            self.last = cap
+            if cap.first_ptrs is None:
+                cap.first_ptrs = ptrs
+                return self.fn(list(args))
+            if cap.graph is None or not cap.matches(args, ptrs):
+                self._capture(cap, args, ptrs)  # its second call, or an input it reads in place moved
         for i in cap.copied:
             cap.static[i].copy_(args[i])
         cap.graph.replay()
