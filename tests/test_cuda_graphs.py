@@ -191,3 +191,29 @@ def test_a_refused_graph_runs_as_it_is_and_its_backward_follows_its_forward():
     assert cuda_graphs.wrap(gm, [], "inference", "cpu device", graphed) is gm
     assert cuda_graphs.wrap(gm, [], "forward", "cpu device", graphed) is gm and graphed == {"forward": False}
     assert cuda_graphs.wrap(gm, [], "backward", None, graphed) is gm  # its forward is not graphed: neither is it
+
+
+def test_a_view_at_a_read_in_place_address_does_not_replay_the_wrong_graph(monkeypatch):
+    """An input passed as the same tensor twice is read in place; a narrower view of its buffer later has the
+    same address but another shape: it must get its own graph, not the first one's replay."""
+    _fake_cuda(monkeypatch)
+
+    def fn(args):
+        (x,) = args
+        out = x * 2
+        if _FakeGraph.capturing is not None:
+            _FakeGraph.capturing.work = lambda: out.copy_(x * 2)
+        return [out]
+
+    class OnCuda(CudaGraphed):
+        @staticmethod
+        def _on_cuda(args):
+            return True
+
+    wrapped, buf = OnCuda(fn), torch.randn(4, 3)
+    for _ in range(3):
+        assert torch.equal(wrapped([buf])[0], buf * 2)
+    view = buf[:2]
+    assert view.data_ptr() == buf.data_ptr()
+    for _ in range(3):
+        assert torch.equal(wrapped([view])[0], view * 2)

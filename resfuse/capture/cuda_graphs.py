@@ -25,14 +25,37 @@ class _Capture:
     def __init__(self):
         self.first_ptrs, self.graph, self.outputs = None, None, None
         self.static, self.copied = [], []
-        self.fixed, self.fixed_ptrs, self.copied_sig = [], [], ()  # see matches()
+        self.fixed_ptrs, self.fixed_ids, self.not_fixed, self.copied_sig = None, None, [], ()  # see replays()
 
-    def matches(self, args: tuple, ptrs: list) -> bool:
-        """Can this graph replay for `args` (their `ptrs`, see _ptrs)? The inputs it reads in place are where
-        they were at capture, and the ones it copies have its shapes, strides and dtypes. A model's hundreds of
-        parameters make this the host's cost per call, so it is list comparisons, not a per-input loop."""
-        return (len(ptrs) == len(self.static) and [ptrs[i] for i in self.fixed] == self.fixed_ptrs
+    def remember(self, args: tuple, ptrs: list) -> None:
+        """What moved() and replays() compare: the inputs read in place (their addresses and objects; the
+        others masked out) and the copied inputs' signature."""
+        self.not_fixed = [*self.copied, *(i for i, a in enumerate(args) if not isinstance(a, torch.Tensor))]
+        self.fixed_ptrs = _masked(ptrs, self.copied)
+        self.fixed_ids = _masked(list(map(id, args)), self.not_fixed)
+        self.copied_sig = _signature([args[i] for i in self.copied])
+
+    def moved(self, ptrs: list) -> bool:
+        """Has an input this graph reads in place moved (a parameter re-allocated)? For a call whose whole
+        signature is this graph's."""
+        return _masked(ptrs, self.copied) != self.fixed_ptrs
+
+    def replays(self, args: tuple, ptrs: list) -> bool:
+        """Can this graph replay `args` without their whole signature being hashed? Each input it reads in
+        place must be the same tensor object at the same address as at capture (a new view of that buffer at
+        another size is another object), and the inputs it copies must have its shapes, strides and dtypes. A
+        model's hundreds of parameters make this the host's cost per call: whole-list comparisons, no Python
+        loop over the inputs."""
+        return (self.fixed_ptrs is not None and len(ptrs) == len(self.fixed_ptrs) and not self.moved(ptrs)
+                and _masked(list(map(id, args)), self.not_fixed) == self.fixed_ids
                 and _signature([args[i] for i in self.copied]) == self.copied_sig)
+
+
+def _masked(values: list, masked) -> list:
+    values = values.copy()
+    for i in masked:
+        values[i] = None
+    return values
 
 
 def _signature(args) -> tuple:
@@ -77,9 +100,7 @@ class CudaGraphed:
         cap.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(cap.graph):
             cap.outputs = self.fn(list(cap.static))
-        cap.fixed = [i for i in range(len(args)) if i not in copied]
-        cap.fixed_ptrs = [ptrs[i] for i in cap.fixed]
-        cap.copied_sig = _signature([args[i] for i in cap.copied])
+        cap.remember(args, ptrs)
 
     def __call__(self, inputs: list):
         args = tuple(inputs)
@@ -88,7 +109,7 @@ class CudaGraphed:
             return self.fn(list(args))
         ptrs = _ptrs(args)
         cap = self.last
-        if cap is None or cap.graph is None or not cap.matches(args, ptrs):
+        if cap is None or cap.graph is None or not cap.replays(args, ptrs):
             signature = _signature(args)
             cap = self.captures.pop(signature, None) or _Capture()
             self.captures[signature] = cap  # now the most recently used
@@ -98,8 +119,10 @@ class CudaGraphed:
             if cap.first_ptrs is None:
                 cap.first_ptrs = ptrs
                 return self.fn(list(args))
-            if cap.graph is None or not cap.matches(args, ptrs):
+            if cap.graph is None or cap.moved(ptrs):
                 self._capture(cap, args, ptrs)  # its second call, or an input it reads in place moved
+            else:
+                cap.remember(args, ptrs)  # the same addresses, other objects: replays() compares these now
         for i in cap.copied:
             cap.static[i].copy_(args[i])
         cap.graph.replay()
