@@ -239,9 +239,9 @@ def measure_ceilings(device: str | torch.device, dtype: torch.dtype | None = Non
     cuda = device.type == "cuda"
     dtype = dtype or (torch.float16 if cuda else torch.float32)
     n = 8192 if cuda else 1024
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    mm_s = _median_seconds(lambda: torch.mm(a, b), device, repeats)
-    del a, b
+    operands = [torch.randn(n, n, device=device, dtype=dtype) for _ in range(2)]
+    mm_s = _median_seconds(lambda: torch.mm(*operands), device, repeats)
+    operands.clear()  # freed before the copy's 2 GiB are allocated
     elements = (1 << 28) if cuda else (1 << 24)  # 1 GiB / 64 MiB of fp32, far past any cache
     src = torch.randn(elements, device=device)
     dst = torch.empty_like(src)
