@@ -1,11 +1,11 @@
 """A fusion group under construction: one anchor, its epilogue tree, and the FX nodes it replaces.
 
-Both passes grow groups the same way and emit them here (a group whose value is also read elsewhere, the
-pre-activation a training graph saves, keeps it as an aux output: `save`, and the op's _aux twin): `Group.from_anchor` starts one at an aten conv/GEMM,
+Both passes grow groups the same way and emit them here: `Group.from_anchor` starts one at an aten conv/GEMM,
 `Group.from_fused` reopens a resfuse op already in the graph, `absorb` adds a step, and `emit` replaces the
 absorbed nodes by one call to a resfuse op (ops/). Training anchors have several outputs (batch norm's
 statistics, convolution_backward's weight gradient): the group starts at their output 0, and emit rewires
-or trims the rest.
+or trims the rest. A conv/GEMM group whose value is also read elsewhere (the pre-activation a training graph
+saves) keeps that value as an aux output (`save`), emitted as the op's _aux twin.
 """
 from __future__ import annotations
 
@@ -196,12 +196,12 @@ class Group:
         result = new
         if isinstance(fake, tuple):
             result = self._rewire_outputs(new, fake)
+        elif self.origin is not None and self.origin.target == CONV_BACKWARD:
+            self._weight_gradient_only()
         if self.aux_node is not None:  # a fresh aux output: the saved value's other readers now read it
             aux_item = next(u for u in new.users if u.target is operator.getitem and u.args[1] == 1)
             readers = set(self.aux_users)
             self.aux_node.replace_all_uses_with(aux_item, delete_user_cb=readers.__contains__)
-        elif self.origin is not None and self.origin.target == CONV_BACKWARD:
-            self._weight_gradient_only()
         last.replace_all_uses_with(result)
         stale = [*self.replaced, last]
         if self.origin is not None:  # erased last (the list is walked backwards), after its getitems
