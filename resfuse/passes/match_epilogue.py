@@ -177,7 +177,12 @@ def grow(g: Group, ctx) -> Group:
     backward): that value becomes the op's aux output and the activation joins the epilogue."""
     while True:
         users = list(g.out.users)
-        before = (g.tree, len(g.operands), g.aux_node, g.aux_users)
+        tree, n_operands, aux = g.tree, len(g.operands), (g.aux_node, g.aux_users)
+
+        def undo():  # a refused step leaves the group as it was before it (no aux, no new operands)
+            g.tree, (g.aux_node, g.aux_users) = tree, aux
+            del g.operands[n_operands:]
+
         if len(users) != 1:
             node = _activation_to_save_for(g, users)
             if node is None:
@@ -190,18 +195,16 @@ def grow(g: Group, ctx) -> Group:
             node = users[0]
         step = _step(g, node, ctx)
         if step is None:
-            g.tree, g.aux_node, g.aux_users = before[0], before[2], before[3]
+            undo()
             return g
         why = step if isinstance(step, str) else legality.first(
             legality.static_tensor(step[1] or node), _same_dtype(g, step[1] or node),
-            *[g.aux_refusal(o) for o in g.operands[before[1]:]])
+            *[g.aux_refusal(o) for o in g.operands[n_operands:]])
         if why:
-            g.tree, g.aux_node, g.aux_users = before[0], before[2], before[3]
-            del g.operands[before[1]:]
+            undo()
             ctx.reject(node, why)
             return g
-        tree, out, extra = step
-        g.absorb(node, tree, out, extra)
+        g.absorb(node, *step)
 
 
 def _activation_to_save_for(g: Group, users: list) -> fx.Node | None:
