@@ -73,6 +73,7 @@ def peers():
         "resfuse+graphs": lambda m: resfuse.compile(m, cuda_graphs=True),
         "resfuse-no-ato": lambda m: resfuse.compile(m, fuse_add_to_output=False),
         "resfuse+graphs-no-ato": lambda m: resfuse.compile(m, cuda_graphs=True, fuse_add_to_output=False),
+        "resfuse+graphs-eager-rest": lambda m: resfuse.compile(m, cuda_graphs=True, remainder="eager"),
     }
 
 

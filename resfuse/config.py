@@ -43,6 +43,9 @@ class Config:
     cuda_graphs: bool = False
     ("Replay compiled graphs through CUDA graphs: inference, and training's forward and backward (torch's CUDA graph "
      "trees, as reduce-overhead). Small batches and training steps are launch-bound.")
+    remainder: str = "auto"
+    ("What runs the ops no fusion absorbed: inductor (torch.compile's compiler fuses them, with our fused ops as "
+     "calls), eager (ATen, op by op), or auto (inductor on CUDA, eager on CPU).")
     debug_dump: str | None = None
     "Folder to write the FX graph after each pass as NN-passname.txt (env RESFUSE_DUMP)."
 

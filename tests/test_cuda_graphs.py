@@ -188,9 +188,9 @@ def test_a_refused_graph_runs_as_it_is_and_its_backward_follows_its_forward():
 
     gm = torch.fx.symbolic_trace(lambda a: (a * 2,))
     graphed = {}
-    assert cuda_graphs.wrap(gm, [], "inference", "cpu device", graphed) is gm
-    assert cuda_graphs.wrap(gm, [], "forward", "cpu device", graphed) is gm and graphed == {"forward": False}
-    assert cuda_graphs.wrap(gm, [], "backward", None, graphed) is gm  # its forward is not graphed: neither is it
+    assert cuda_graphs.wrap(gm, gm, [], "inference", "cpu device", graphed) is gm
+    assert cuda_graphs.wrap(gm, gm, [], "forward", "cpu device", graphed) is gm and graphed == {"forward": False}
+    assert cuda_graphs.wrap(gm, gm, [], "backward", None, graphed) is gm  # its forward is not graphed: neither is it
 
 
 def test_a_view_at_a_read_in_place_address_does_not_replay_the_wrong_graph(monkeypatch):

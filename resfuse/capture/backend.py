@@ -23,7 +23,7 @@ from ..passes.attention_mask import contiguous_attention_masks
 from ..passes.liveness import peak_bytes
 from ..passes.report import Report
 from ..tuning.progress import PROGRESS
-from . import cuda_graphs
+from . import cuda_graphs, inductor
 
 # Graph kinds the passes rewrite: all of them (aot_autograd's inference graph, or training's forward and backward).
 REWRITTEN = ("inference", "forward", "backward")
@@ -31,8 +31,9 @@ REWRITTEN = ("inference", "forward", "backward")
 
 def compile_graph(gm: fx.GraphModule, example_inputs, *, config: Config, graph: str, report: Report,
                   run_graph: bool = True, graphed: dict | None = None):
-    """capture (done by aot_autograd) -> passes -> rewritten graph -> lowered to the ops' Python implementations,
-    whose fused ops pick their kernels (tuning on first call) -> optionally CUDA-graphed.
+    """capture (done by aot_autograd) -> passes -> rewritten graph -> built: its remainder compiled by Inductor, or
+    run eagerly with the fused ops lowered to their Python implementations; the fused ops pick their kernels
+    (tuning on first call) -> optionally CUDA-graphed.
 
     With run_graph=False (explain) the report is made but the captured ATen graph runs instead. `graphed` is
     shared by one forward and its backward (whether the forward replays as a CUDA graph).
@@ -52,12 +53,27 @@ def compile_graph(gm: fx.GraphModule, example_inputs, *, config: Config, graph: 
     if not run_graph:
         return original
     why_not = cuda_graphs.refusal(gm, graph) if config.cuda_graphs else None  # before lowering: reads op schemas
-    lowered = boxed(track_progress(lower_to_impls(gm)))
+    built = build(gm, example_inputs, config, graph, report)
     if not config.cuda_graphs:
-        return lowered
+        return built
     if why_not:
         report.notes.append(f"{graph} graph runs without CUDA graphs: {why_not}")
-    return cuda_graphs.wrap(lowered, example_inputs, graph, why_not, graphed if graphed is not None else {})
+    return cuda_graphs.wrap(built, gm, example_inputs, graph, why_not, graphed if graphed is not None else {})
+
+
+def build(gm: fx.GraphModule, example_inputs, config: Config, graph: str, report: Report):
+    """The rewritten graph made callable (boxed): the remainder compiled by Inductor where Config.remainder asks
+    for it, else run eagerly, each fused op calling its Python implementation directly."""
+    if inductor.wanted(config.remainder, example_inputs):
+        try:
+            compiled = inductor.compile_remainder(gm, example_inputs, graph)
+        except Exception as e:  # Inductor could not take it: the eager remainder is always there
+            report.notes.append(f"{graph} graph: Inductor refused the remainder, running it eagerly: "
+                                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            warnings.warn(f"resfuse: {report.notes[-1]}")
+        else:
+            return closing_progress(compiled, fused_ops(gm))
+    return boxed(track_progress(lower_to_impls(gm)))
 
 
 def boxed(gm: fx.GraphModule) -> fx.GraphModule:
@@ -69,16 +85,34 @@ def boxed(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def fused_ops(gm: fx.GraphModule) -> int:
+    return sum("resfuse" in n.meta for n in gm.graph.nodes)
+
+
 def track_progress(gm: fx.GraphModule) -> fx.GraphModule:
     """Tell the tuning progress bar how many fused ops this graph has, and let the graph's end close it: by
     the end of its first call every fused op has chosen its implementation."""
-    fused = sum("resfuse" in n.meta for n in gm.graph.nodes)
-    if fused:
+    if fused := fused_ops(gm):
         PROGRESS.expect(fused)
         with gm.graph.inserting_before(next(n for n in gm.graph.nodes if n.op == "output")):
             gm.graph.call_function(PROGRESS.graph_ran, ())
         gm.recompile()
     return gm
+
+
+def closing_progress(fn, fused: int):
+    """track_progress for a compiled (boxed) callable: the call after it closes the bar."""
+    if not fused:
+        return fn
+    PROGRESS.expect(fused)
+
+    def run(inputs: list):
+        out = fn(inputs)
+        PROGRESS.graph_ran()
+        return out
+
+    run._boxed_call = True
+    return run
 
 
 def make_backend(config: Config, report: Report, run_graph: bool = True):

@@ -1,8 +1,8 @@
 """CUDA-graph replay of compiled graphs (Config.cuda_graphs): small batches and training steps are launch-bound.
 
 Entry points, used by capture/backend.py: `refusal(gm, graph)` (why a graph cannot be replayed, or None) and
-`wrap(gm, inputs, graph, refusal, graphed)`, which puts an inference graph in `CudaGraphed` and training's
-forward and backward graphs under torch's CUDA graph trees (`graph_tree`).
+`wrap(fn, gm, inputs, graph, refusal, graphed)` (fn: gm built, boxed), which puts an inference graph in
+`CudaGraphed` and training's forward and backward graphs under torch's CUDA graph trees (`graph_tree`).
 
 Inference (CudaGraphed):
 
@@ -155,19 +155,19 @@ def _static_inputs(gm: fx.GraphModule, graph: str) -> list[int]:
     return list(range(count_tangents(gm))) if graph == "backward" else list(get_static_input_idxs(0))
 
 
-def wrap(gm: fx.GraphModule, example_inputs, graph: str, why_not: str | None, graphed: dict):
-    """gm (boxed) replayed as a CUDA graph where it can be. A backward goes under the graph trees only with its
+def wrap(fn, gm: fx.GraphModule, example_inputs, graph: str, why_not: str | None, graphed: dict):
+    """fn (boxed: gm built, eagerly or by Inductor) replayed as a CUDA graph where it can be. A backward goes under the graph trees only with its
     own forward (`graphed` is shared by the two); a refused backward of a graphed forward runs plainly, telling
     the tree manager that the backward has begun, as torch's cudagraphs backend does."""
     if graph == "inference":
-        return gm if why_not else CudaGraphed(gm)
+        return fn if why_not else CudaGraphed(fn)
     if graph == "forward":
         graphed["forward"] = why_not is None
-        return gm if why_not else graph_tree(gm, example_inputs, graph)
+        return fn if why_not else graph_tree(fn, gm, example_inputs, graph)
     if not graphed.get("forward"):
-        return gm
+        return fn
     if why_not is None:
-        return graph_tree(gm, example_inputs, graph)
+        return graph_tree(fn, gm, example_inputs, graph)
 
     def backward(args: list):
         from torch._inductor.cudagraph_trees import get_manager
@@ -175,14 +175,14 @@ def wrap(gm: fx.GraphModule, example_inputs, graph: str, why_not: str | None, gr
         manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
         if manager is not None:
             manager.set_to_running_backward()
-        return gm(args)
+        return fn(args)
 
     backward._boxed_call = True
     return backward
 
 
-def graph_tree(gm: fx.GraphModule, example_inputs, graph: str):  # gm: boxed (takes and empties a list)
-    """Training's forward or backward graph under torch's CUDA graph trees, the machinery of torch.compile's
+def graph_tree(fn, gm: fx.GraphModule, example_inputs, graph: str):  # fn: boxed (takes and empties a list)
+    """Training's forward or backward graph (fn, built from gm) under torch's CUDA graph trees, the machinery of torch.compile's
     reduce-overhead mode: forward and backward share one memory pool, so the activations the forward saves
     are read in place by the backward; parameters are static inputs (re-recorded if they move); the first
     calls run eagerly (warm-up: our fused ops tune there). Only for graphs `refusal` accepts."""
@@ -192,7 +192,7 @@ def graph_tree(gm: fx.GraphModule, example_inputs, graph: str):  # gm: boxed (ta
 
     device = next(t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda)
     fn = cudagraphify_impl(
-        gm, list(example_inputs), _static_inputs(gm, graph),
+        fn, list(example_inputs), _static_inputs(gm, graph),
         device_index=device.index, is_backward=graph == "backward", is_inference=False,
         stack_traces=get_stack_traces(gm), placeholders=get_placeholder_info(gm.graph),
         mutated_input_idxs=find_input_mutations(gm.graph))

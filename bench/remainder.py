@@ -1,0 +1,91 @@
+"""Config.remainder A/B on the GPU machine: the ops no fusion absorbed run eagerly or through Inductor.
+
+Entry point: `python bench/remainder.py [--jobs mobilenet_v3_large:32,...] [--peers reduce-overhead,...] [--out DIR]`.
+Per (model, batch), in one process: the peers asked for (torch.compile modes), then resfuse+graphs with the
+remainder eager and with it compiled by Inductor. The eager-remainder variant tunes first (fresh cache or not),
+so the Inductor one reads the same tuning choices: the two differ in the remainder only. fp16, channels_last,
+CUDA-event medians over rotated inputs (resfuse.bench.timing), errors against eager. A table prints last; the
+JSON goes to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import resfuse  # noqa: E402
+from resfuse.bench import models, timing  # noqa: E402
+
+VARIANTS = {
+    "eager": lambda m: m,
+    "compile": lambda m: torch.compile(m),
+    "reduce-overhead": lambda m: torch.compile(m, mode="reduce-overhead"),
+    "rf+graphs eager-rest": lambda m: resfuse.compile(m, cuda_graphs=True, remainder="eager"),
+    "rf+graphs inductor-rest": lambda m: resfuse.compile(m, cuda_graphs=True, remainder="inductor"),
+    "rf eager-rest": lambda m: resfuse.compile(m, remainder="eager"),
+    "rf inductor-rest": lambda m: resfuse.compile(m, remainder="inductor"),
+}
+
+
+def run_job(name: str, batch: int, peers: list[str], iters: int) -> dict:
+    device = torch.device("cuda")
+    torch.backends.cudnn.benchmark = True
+    model, inputs = models.load(name, batch, torch.float16, device, image_size=224, seq=384)
+    sets = timing.input_sets(inputs)
+    refs = timing.run_once(model, inputs)
+    rows = {}
+    for peer in peers:
+        torch._dynamo.reset()
+        fn = None
+        try:
+            fn = VARIANTS[peer](model)
+            first_s, outs = timing.first_call(fn, sets[0], device)
+            rel, _ = timing.output_error(outs, refs)
+            lat = timing.latency(fn, sets, device, iters)
+            report = getattr(fn, "resfuse_report", None)
+            rows[peer] = {"ms": lat.median_ms, "first_s": first_s, "rel_err": rel,
+                          "notes": list(report.notes) if report else [],
+                          "errors": list(report.errors) if report else []}
+        except Exception as e:  # one peer failing must not hide the others
+            traceback.print_exc()
+            rows[peer] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(f"{name}:{batch} {peer}: {rows[peer]}", flush=True)
+        del fn
+        torch.cuda.empty_cache()
+    return {"model": name, "batch": batch, "device": torch.cuda.get_device_name(), "peers": rows}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--jobs", default="mobilenet_v3_large:32,efficientnet_b0:32,convnext_tiny:32,regnety_040:32")
+    p.add_argument("--peers", default="eager,reduce-overhead,rf+graphs eager-rest,rf+graphs inductor-rest")
+    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--budget-s", type=float, default=540)
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    peers = [s for s in args.peers.split(",") if s]
+    t0, results = time.time(), []
+    for item in args.jobs.split(","):
+        if time.time() - t0 > args.budget_s:
+            print(f"budget spent: skipped {item}")
+            continue
+        name, _, batch = item.rpartition(":")
+        results.append(run_job(name, int(batch), peers, args.iters))
+        Path(args.out, "remainder.json").write_text(json.dumps(results, indent=1))
+    print(f"\n{'job':24s}" + "".join(f"{peer[:22]:>24s}" for peer in peers))
+    for r in results:
+        cells = [r["peers"][peer] for peer in peers]
+        print(f"{r['model'] + ':' + str(r['batch']):24s}" + "".join(
+            f"{c['ms']:>14.3f} ({c['rel_err']:.0e})" if "ms" in c else f"{'error':>24s}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()
