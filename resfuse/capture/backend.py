@@ -69,7 +69,7 @@ def build(gm: fx.GraphModule, example_inputs, config: Config, graph: str, report
             compiled = inductor.compile_remainder(gm, example_inputs, graph)
         except Exception as e:  # Inductor could not take it: the eager remainder is always there
             report.notes.append(f"{graph} graph: Inductor refused the remainder, running it eagerly: "
-                                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                                f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
             warnings.warn(f"resfuse: {report.notes[-1]}")
         else:
             return closing_progress(compiled, fused_ops(gm))

@@ -1,0 +1,110 @@
+"""Config.remainder: the ops no fusion absorbed compiled by Inductor (its C++ backend on this CPU), with our fused
+ops running their Triton kernels under the interpreter, called from Inductor's code."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import resfuse
+from resfuse.capture import inductor
+
+from .test_api import rel
+
+
+class SqueezeExcite(nn.Module):
+    """conv-bn-relu whose output is gated by a squeeze-excite branch, then max-pooled: the mean, the sigmoid, the
+    gating mul and the add stay in the remainder (the gated value has two readers)."""
+
+    def __init__(self, c=6):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.squeeze, self.excite = nn.Conv2d(c, 3, 1), nn.Conv2d(3, c, 1)
+        self.pool, self.head = nn.MaxPool2d(3, 2, 1), nn.Linear(c, 4)
+        self.bn.running_mean.normal_(), self.bn.running_var.uniform_(0.5, 1.5)
+
+    def forward(self, x):
+        y = torch.relu(self.bn(self.conv(x)))
+        gate = torch.sigmoid(self.excite(torch.relu(self.squeeze(y.mean((2, 3), keepdim=True)))))
+        y = self.pool(y * gate + x)
+        return self.head(y.mean((2, 3)))
+
+
+@pytest.fixture
+def compiled_graphs(monkeypatch):
+    """The graph kinds whose remainder Inductor compiled."""
+    seen = []
+    compile_remainder = inductor.compile_remainder
+
+    def spy(gm, example_inputs, graph):
+        out = compile_remainder(gm, example_inputs, graph)
+        seen.append(graph)
+        return out
+
+    monkeypatch.setattr(inductor, "compile_remainder", spy)
+    return seen
+
+
+def test_auto_sends_cuda_graphs_to_inductor_and_keeps_cpu_graphs_eager():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cpu = [torch.randn(2)]
+    with FakeTensorMode():
+        cuda = [torch.empty(2, device="cuda")]
+    assert inductor.wanted("auto", cuda) and not inductor.wanted("auto", cpu)
+    assert inductor.wanted("inductor", cpu) and not inductor.wanted("eager", cuda)
+
+
+def test_inference_through_inductor_matches_eager(compiled_graphs):
+    torch.manual_seed(3)
+    net = SqueezeExcite().eval().to(memory_format=torch.channels_last)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(net, interpret=True, remainder="inductor")
+    with torch.no_grad():
+        for batch in (2, 3):  # a second batch size recaptures with a symbolic batch: Inductor takes that too
+            x = torch.randn(batch, 6, 9, 7).to(memory_format=torch.channels_last)
+            assert rel(compiled(x), net(x)) < 1e-5
+    report = compiled.resfuse_report
+    assert compiled_graphs == ["inference", "inference"] and report.notes == [] and report.errors == []
+    assert {f.ran for f in report.fusions} == {"triton"} and len(report.fusions) >= 3
+
+
+def test_training_through_inductor_matches_eager(compiled_graphs):
+    """Forward (batch-norm kernel, max-pool kernel) and backward (dgrads, batch-norm backward, the pool's
+    backward): gradients and running statistics equal eager's, with the remainder compiled by Inductor."""
+    torch.manual_seed(4)
+    net = SqueezeExcite().train().to(memory_format=torch.channels_last)
+    twin = copy.deepcopy(net)
+    x = torch.randn(2, 6, 9, 7).to(memory_format=torch.channels_last).requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    torch._dynamo.reset()
+    compiled = resfuse.compile(net, interpret=True, remainder="inductor")
+    loss = compiled(x).square().sum()
+    loss.backward()
+    ref = twin(x2).square().sum()
+    ref.backward()
+    assert sorted(compiled_graphs) == ["backward", "forward"] and compiled.resfuse_report.notes == []
+    assert rel(loss, ref) < 1e-5 and rel(x.grad, x2.grad) < 1e-4
+    for (name, p), q in zip(net.named_parameters(), twin.parameters()):
+        assert rel(p.grad, q.grad) < 1e-4, name
+    for (name, b), c in zip(net.named_buffers(), twin.buffers()):
+        assert rel(b.float(), c.float()) < 1e-5, name
+    assert "triton" in {f.ran for f in compiled.resfuse_report.fusions}
+
+
+def test_a_remainder_inductor_refuses_runs_eagerly_and_says_why(monkeypatch):
+    def refuse(gm, example_inputs, graph):
+        raise RuntimeError("no lowering for this op\nsecond line")
+
+    monkeypatch.setattr(inductor, "compile_remainder", refuse)
+    torch.manual_seed(5)
+    net = SqueezeExcite().eval()
+    x = torch.randn(2, 6, 8, 8)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(net, interpret=True, remainder="inductor")
+    with pytest.warns(UserWarning, match="Inductor refused"), torch.no_grad():
+        out = compiled(x)
+    assert rel(out, net(x)) < 1e-5
+    (note,) = compiled.resfuse_report.notes
+    assert note.startswith("inference graph: Inductor refused the remainder, running it eagerly: RuntimeError: "
+                           "no lowering for this op second line")
