@@ -83,6 +83,19 @@ def test_interpreter_switch_after_triton_was_imported():
         "with torch.no_grad():\n"
         "    assert rel(compiled(x), block(x)) < 1e-4\n"
         "assert {f.ran for f in compiled.resfuse_report.fusions} == {'triton'}\n"
+        # a training step: the batch-norm, dgrad and max-pool kernels (forward and backward) run too
+        "import copy\n"
+        "from tests.test_inductor_remainder import SqueezeExcite\n"
+        "net = SqueezeExcite().train().to(memory_format=torch.channels_last)\n"
+        "twin = copy.deepcopy(net)\n"
+        "x = torch.randn(2, 6, 9, 7).to(memory_format=torch.channels_last)\n"
+        "compiled = resfuse.compile(net)\n"
+        "compiled(x).square().sum().backward()\n"
+        "twin(x).square().sum().backward()\n"
+        "for p, q in zip(net.parameters(), twin.parameters()):\n"
+        "    assert rel(p.grad, q.grad) < 1e-4\n"
+        "from resfuse.ops import PATHS\n"
+        "assert {('max_pool2d', 'triton'), ('max_pool2d_backward', 'triton')} <= {(op, path) for op, _, path in PATHS}\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"RESFUSE_INTERPRET": "1"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -92,7 +92,7 @@ def max_pool2d_backward_kernel(g, idx, dx, m, N, C, H, W, OH, OW, s_gn, s_gc, s_
     ok_c = offs_c < C
     n, ih, iw = _rows(rows, H, W, BIG)
     here = (ih * W + iw).to(tl.int64)[:, None]
-    acc = tl.zeros([BM, BC], tl.float32)
+    acc = tl.full([BM, BC], 0.0, tl.float32)  # not tl.zeros: a @jit helper (tiles.py)
     for i in tl.static_range(KH):
         kh = KH - 1 - i  # windows in ascending oh, as ATen adds them
         oh_s = ih + PH - kh * DH
