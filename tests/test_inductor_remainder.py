@@ -66,6 +66,7 @@ def test_inference_through_inductor_matches_eager(compiled_graphs):
             assert rel(compiled(x), net(x)) < 1e-5
     report = compiled.resfuse_report
     assert compiled_graphs == ["inference", "inference"] and report.notes == [] and report.errors == []
+    assert sum("no fusion absorbed compiled by Inductor" in r for r in report.rewrites) == 2
     assert {f.ran for f in report.fusions} == {"triton"} and len(report.fusions) >= 3
 
 

@@ -28,6 +28,7 @@ from typing import Sequence
 import torch
 
 from .. import epilogue as epi
+from . import library
 
 PATHS: collections.Counter = collections.Counter()  # (op, signature, path) -> calls
 
@@ -158,8 +159,8 @@ def _conv2d(x, weight, operands, epilogue, stride, padding, dilation, provider, 
     return conv2d_reference(x, weight, operands, epilogue, stride, padding, dilation, out.empty(), aux)
 
 
-conv2d = torch.library.custom_op("resfuse::conv2d", conv2d_impl, mutates_args=())
-conv2d_aux = torch.library.custom_op("resfuse::conv2d_aux", conv2d_aux_impl, mutates_args=())
+conv2d = library.op("conv2d", conv2d_impl)
+conv2d_aux = library.op("conv2d_aux", conv2d_aux_impl)
 
 
 def conv2d_reference(x, weight, operands, epilogue, stride, padding, dilation, out, aux=None):
@@ -235,8 +236,8 @@ def _gemm(a, b, operands, epilogue, out_shape, provider, aux):
     return gemm_reference(a, b, operands, epilogue, out_shape, out.empty(), aux)
 
 
-gemm = torch.library.custom_op("resfuse::gemm", gemm_impl, mutates_args=())
-gemm_aux = torch.library.custom_op("resfuse::gemm_aux", gemm_aux_impl, mutates_args=())
+gemm = library.op("gemm", gemm_impl)
+gemm_aux = library.op("gemm_aux", gemm_aux_impl)
 
 
 def gemm_reference(a, b, operands, epilogue, out_shape, out, aux=None):

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from . import library
 from .fused import _record, _use_triton
 
 aten = torch.ops.aten
@@ -55,7 +56,7 @@ def max_pool2d_impl(x: torch.Tensor, kernel: Sequence[int], stride: Sequence[int
     return out, idx if with_indices else idx.new_empty(0)
 
 
-max_pool2d = torch.library.custom_op("resfuse::max_pool2d", max_pool2d_impl, mutates_args=())
+max_pool2d = library.op("max_pool2d", max_pool2d_impl)
 
 
 @max_pool2d.register_fake
@@ -81,8 +82,7 @@ def max_pool2d_backward_impl(grad_out: torch.Tensor, x: torch.Tensor, indices: t
     return dx if mask is None else aten.threshold_backward(dx, mask, threshold)
 
 
-max_pool2d_backward = torch.library.custom_op("resfuse::max_pool2d_backward", max_pool2d_backward_impl,
-                                              mutates_args=())
+max_pool2d_backward = library.op("max_pool2d_backward", max_pool2d_backward_impl)
 
 
 @max_pool2d_backward.register_fake
