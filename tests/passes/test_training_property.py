@@ -1,6 +1,6 @@
-"""Property test of the training passes: random small residual networks (widths, strides, grouped and depthwise convs, shortcut kinds,
-activation placement, layouts, where the input needs a gradient) train one step through resfuse and match
-eager's loss, gradients and running statistics, with every pass on and off."""
+"""Property test of the training passes: random small residual networks (widths, strides, grouped and depthwise
+convs, shortcut kinds, activation placement, layouts, where the input needs a gradient) train one step through
+resfuse and match eager's loss, gradients and running statistics, with every pass on and off."""
 import copy
 import os
 
@@ -36,6 +36,9 @@ class Block(nn.Module):
 
 @st.composite
 def networks(draw):
+    # the weights are part of the example: drawn from a seed of their own, so that Hypothesis replays and
+    # shrinks the same net (with the global RNG they depended on every example drawn before)
+    torch.manual_seed(draw(st.integers(0, 2**16)))
     c = draw(st.sampled_from([3, 4, 6]))
     blocks, cin = [], c
     for _ in range(draw(st.integers(1, 3))):
@@ -76,18 +79,23 @@ def test_random_residual_nets_train_like_eager_through_the_triton_kernels(net, s
 def check_one_step(net, seed, dynamic=False, **config):
     """One step through resfuse and through eager, both judged against eager in float64: resfuse's error may
     be at most a few times eager's own (BN over a handful of values makes some nets ill-conditioned, so a
-    fixed fp32 tolerance between the two would flag rounding, not bugs). dynamic: the batch dim is symbolic
-    in the captured graphs (one capture for every batch size)."""
+    fixed fp32 tolerance between the two would flag rounding, not bugs). Eager's own error is the largest of
+    three fp32 runs (this layout, the other layout, one thread): one run's summation order can be lucky by 10x
+    on such a net; on the examples that showed it, another eager run was as far off as ours. dynamic: the batch
+    dim is symbolic in the captured graphs (one capture for every batch size)."""
     c, body, size, channels_last, input_grad = net
     torch.manual_seed(seed)
     body.train()
     twin, exact = copy.deepcopy(body), copy.deepcopy(body).double()
     x = torch.randn(3 if dynamic else 2, c, size, size)
+    fmt, other_fmt = torch.contiguous_format, torch.channels_last
     if channels_last:
-        body, twin = body.to(memory_format=torch.channels_last), twin.to(memory_format=torch.channels_last)
-        x = x.to(memory_format=torch.channels_last)
+        fmt, other_fmt = other_fmt, fmt
+        body, twin = body.to(memory_format=fmt), twin.to(memory_format=fmt)
+        x = x.to(memory_format=fmt)
     xs = [x.clone().requires_grad_(input_grad), x.clone().requires_grad_(input_grad),
           x.double().requires_grad_(input_grad)]
+    others = [eager_run(twin, x, other_fmt, input_grad), eager_run(twin, x, fmt, input_grad, threads=1)]
     torch._dynamo.reset()
     if dynamic:
         from resfuse.capture.backend import make_backend
@@ -104,18 +112,35 @@ def check_one_step(net, seed, dynamic=False, **config):
     assert not compiled.resfuse_report.errors
     assert not any("dynamic" in r.reason for r in compiled.resfuse_report.rejected)  # a dynamic batch is fine
 
-    def close(ours, eager, truth, what):
+    def close(ours, eager, truth, what, other_runs):
         ours_err = (ours.double() - truth).abs().max().item()
-        eager_err = (eager.double() - truth).abs().max().item()
+        eager_err = max((e.double() - truth).abs().max().item() for e in (eager, *other_runs))
         bound = 4 * eager_err + 1e-6 * (truth.abs().max().item() + scale)
         assert ours_err <= bound, f"{what}: error {ours_err:.3g} vs float64, eager's {eager_err:.3g}"
 
     scale = max(q.grad.abs().max().item() for q in exact.parameters())
-    close(losses[0].detach(), losses[1].detach(), losses[2].detach(), "loss")
+    close(*(loss.detach() for loss in losses), "loss", [o["loss"] for o in others])
     if input_grad:
-        close(xs[0].grad, xs[1].grad, xs[2].grad, "input gradient")
+        close(*(v.grad for v in xs), "input gradient", [o["input"] for o in others])
     for (name, p), q, r in zip(body.named_parameters(), twin.parameters(), exact.parameters()):
-        close(p.grad, q.grad, r.grad, f"{name} gradient")
+        close(p.grad, q.grad, r.grad, f"{name} gradient", [o[name] for o in others])
     for (name, b), q, r in zip(body.named_buffers(), twin.buffers(), exact.buffers()):
-        close(b, q, r, name)
+        close(b, q, r, name, [o[name] for o in others])
     return compiled.resfuse_report
+
+
+def eager_run(model, x, memory_format, input_grad, threads=None):
+    """One more eager fp32 step, on a copy of `model` (not stepped yet): loss, input gradient, parameter
+    gradients and buffers by name (in `memory_format`, on `threads` threads)."""
+    model = copy.deepcopy(model).to(memory_format=memory_format)
+    model.zero_grad(set_to_none=True)
+    x = x.detach().clone().to(memory_format=memory_format).requires_grad_(input_grad)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads or saved)
+    try:
+        loss = model(x).square().mean()
+        loss.backward()
+    finally:
+        torch.set_num_threads(saved)
+    return {"loss": loss.detach(), "input": x.grad, **{n: p.grad for n, p in model.named_parameters()},
+            **dict(model.named_buffers())}
