@@ -14,6 +14,9 @@ def _default_cache_dir() -> str:
     return str(Path(base) / "resfuse")
 
 
+REMAINDERS = ("auto", "inductor", "eager")
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     fuse_epilogue: bool = True
@@ -48,6 +51,10 @@ class Config:
      "calls), eager (ATen, op by op), or auto (inductor on CUDA, eager on CPU).")
     debug_dump: str | None = None
     "Folder to write the FX graph after each pass as NN-passname.txt (env RESFUSE_DUMP)."
+
+    def __post_init__(self):
+        if self.remainder not in REMAINDERS:
+            raise ValueError(f"remainder={self.remainder!r}: choose from {', '.join(REMAINDERS)}")
 
     @classmethod
     def from_env(cls, **overrides) -> "Config":

@@ -53,6 +53,8 @@ def test_auto_sends_cuda_graphs_to_inductor_and_keeps_cpu_graphs_eager():
         cuda = [torch.empty(2, device="cuda")]
     assert inductor.wanted("auto", cuda) and not inductor.wanted("auto", cpu)
     assert inductor.wanted("inductor", cpu) and not inductor.wanted("eager", cuda)
+    with pytest.raises(ValueError, match="remainder='Inductor'"):
+        resfuse.Config(remainder="Inductor")
 
 
 def test_inference_through_inductor_matches_eager(compiled_graphs):

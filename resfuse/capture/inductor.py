@@ -47,8 +47,8 @@ def compile_remainder(gm: fx.GraphModule, example_inputs, graph: str):
     from torch._inductor.utils import BoxedBool
 
     # A lowering error prints the op's arguments, IR trees that share subtrees: on a ResNet-50 backward at bs256
-    # (H100, torch 2.11) printing them ran for minutes. The caller falls back on any error and keeps its first
-    # line, so name the op only.
+    # (H100, torch 2.11) printing them ran for minutes. The caller falls back on any error and keeps 300
+    # characters of its message, so name the op only.
     op_only = staticmethod(lambda target, args, kwargs: f"  target: {target}")
     with mock.patch.object(OperatorIssue, "operator_str", op_only):
         return compile_fx_inner(decomposed(gm, example_inputs), list(example_inputs), cudagraphs=BoxedBool(False),
