@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import operator
 import warnings
 
 import torch
@@ -72,7 +73,8 @@ def build(gm: fx.GraphModule, example_inputs, config: Config, graph: str, report
                                 f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
             warnings.warn(f"resfuse: {report.notes[-1]}")
         else:
-            rest = sum(n.op == "call_function" and "resfuse" not in n.meta for n in gm.graph.nodes)
+            rest = sum(n.op == "call_function" and "resfuse" not in n.meta and n.target is not operator.getitem
+                       for n in gm.graph.nodes)
             report.rewrites.append(f"{graph} graph: the {rest} op(s) no fusion absorbed compiled by Inductor")
             return closing_progress(compiled, fused_ops(gm))
     return boxed(track_progress(lower_to_impls(gm)))

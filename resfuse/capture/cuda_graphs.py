@@ -157,8 +157,9 @@ def _static_inputs(gm: fx.GraphModule, graph: str) -> list[int]:
 
 def wrap(fn, gm: fx.GraphModule, example_inputs, graph: str, why_not: str | None, graphed: dict):
     """fn (boxed: gm built, eagerly or by Inductor) replayed as a CUDA graph where it can be. A backward goes
-    under the graph trees only with its own forward (`graphed` is shared by the two); a refused backward of a graphed forward runs plainly, telling
-    the tree manager that the backward has begun, as torch's cudagraphs backend does."""
+    under the graph trees only with its own forward (`graphed` is shared by the two); a refused backward of a
+    graphed forward runs plainly, telling the tree manager that the backward has begun, as torch's cudagraphs
+    backend does."""
     if graph == "inference":
         return fn if why_not else CudaGraphed(fn)
     if graph == "forward":
@@ -183,9 +184,9 @@ def wrap(fn, gm: fx.GraphModule, example_inputs, graph: str, why_not: str | None
 
 def graph_tree(fn, gm: fx.GraphModule, example_inputs, graph: str):  # fn: boxed (takes and empties a list)
     """Training's forward or backward graph (fn, built from gm) under torch's CUDA graph trees, the machinery of
-    torch.compile's reduce-overhead mode: forward and backward share one memory pool, so the activations the forward saves
-    are read in place by the backward; parameters are static inputs (re-recorded if they move); the first
-    calls run eagerly (warm-up: our fused ops tune there). Only for graphs `refusal` accepts."""
+    torch.compile's reduce-overhead mode: forward and backward share one memory pool, so the activations the
+    forward saves are read in place by the backward; parameters are static inputs (re-recorded if they move); the
+    first calls run eagerly (warm-up: our fused ops tune there). Only for graphs `refusal` accepts."""
     from torch._dynamo.backends.cudagraphs import find_input_mutations, get_stack_traces
     from torch._inductor.cudagraph_trees import cudagraphify_impl
     from torch._inductor.cudagraph_utils import get_placeholder_info

@@ -159,8 +159,8 @@ def _conv2d(x, weight, operands, epilogue, stride, padding, dilation, provider, 
     return conv2d_reference(x, weight, operands, epilogue, stride, padding, dilation, out.empty(), aux)
 
 
-conv2d = library.op("conv2d", conv2d_impl)
-conv2d_aux = library.op("conv2d_aux", conv2d_aux_impl)
+conv2d = library.Op("conv2d", conv2d_impl)
+conv2d_aux = library.Op("conv2d_aux", conv2d_aux_impl)
 
 
 def conv2d_reference(x, weight, operands, epilogue, stride, padding, dilation, out, aux=None):
@@ -236,8 +236,8 @@ def _gemm(a, b, operands, epilogue, out_shape, provider, aux):
     return gemm_reference(a, b, operands, epilogue, out_shape, out.empty(), aux)
 
 
-gemm = library.op("gemm", gemm_impl)
-gemm_aux = library.op("gemm_aux", gemm_aux_impl)
+gemm = library.Op("gemm", gemm_impl)
+gemm_aux = library.Op("gemm_aux", gemm_aux_impl)
 
 
 def gemm_reference(a, b, operands, epilogue, out_shape, out, aux=None):

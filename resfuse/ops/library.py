@@ -2,7 +2,7 @@
 implementation's type hints, that implementation run on every device (CompositeExplicitAutograd), and a fake
 implementation for tracing.
 
-Entry point: `op(name, impl)`, used as torch.library.custom_op is (`op.register_fake` decorates the fake). Not
+Entry point: `Op(name, impl)`, used as torch.library.custom_op is (`op.register_fake` decorates the fake). Not
 custom_op itself: its Python autograd and aliasing-check layers cost 28 against 11 us per call of a conv2d-like
 signature on the CI CPU (more on the GPU machines' hosts), and Inductor's code calls our ops through the
 dispatcher on every run that is not a CUDA-graph replay. No autograd kernel is needed: the ops appear only in
@@ -27,7 +27,3 @@ class Op:
 
     def __call__(self, *args, **kwargs):
         return getattr(torch.ops.resfuse, self.name)(*args, **kwargs)
-
-
-def op(name: str, impl) -> Op:
-    return Op(name, impl)

@@ -56,7 +56,7 @@ def max_pool2d_impl(x: torch.Tensor, kernel: Sequence[int], stride: Sequence[int
     return out, idx if with_indices else idx.new_empty(0)
 
 
-max_pool2d = library.op("max_pool2d", max_pool2d_impl)
+max_pool2d = library.Op("max_pool2d", max_pool2d_impl)
 
 
 @max_pool2d.register_fake
@@ -82,7 +82,7 @@ def max_pool2d_backward_impl(grad_out: torch.Tensor, x: torch.Tensor, indices: t
     return dx if mask is None else aten.threshold_backward(dx, mask, threshold)
 
 
-max_pool2d_backward = library.op("max_pool2d_backward", max_pool2d_backward_impl)
+max_pool2d_backward = library.Op("max_pool2d_backward", max_pool2d_backward_impl)
 
 
 @max_pool2d_backward.register_fake

@@ -46,7 +46,7 @@ def batch_norm_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optio
     return batch_norm_reference(x, weight, bias, running_mean, running_var, operands, epilogue, momentum, eps)
 
 
-batch_norm = library.op("batch_norm", batch_norm_impl)
+batch_norm = library.Op("batch_norm", batch_norm_impl)
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,7 +106,7 @@ def conv2d_dgrad_impl(grad_out: torch.Tensor, weight: torch.Tensor, operands: Se
                                   out.empty())
 
 
-conv2d_dgrad = library.op("conv2d_dgrad", conv2d_dgrad_impl)
+conv2d_dgrad = library.Op("conv2d_dgrad", conv2d_dgrad_impl)
 
 
 def conv2d_dgrad_reference(grad_out, weight, operands, epilogue, input_shape, stride, padding, dilation, out):
@@ -146,7 +146,7 @@ def batch_norm_backward_impl(grad_out: torch.Tensor, x: torch.Tensor, weight: Op
     return _aten_bn_backward(grad_out, x, weight, save_mean, save_invstd, eps)
 
 
-batch_norm_backward = library.op("batch_norm_backward", batch_norm_backward_impl)
+batch_norm_backward = library.Op("batch_norm_backward", batch_norm_backward_impl)
 
 
 def _aten_bn_backward(grad_out, x, weight, save_mean, save_invstd, eps):
