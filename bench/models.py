@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from resfuse.bench import report, run  # noqa: E402
 
 MODELS = ["resnet50", "resnet18", "resnext50_32x4d", "wide_resnet50_2", "mobilenet_v3_large",
-          "efficientnet_b0", "convnext_tiny", "regnety_040", "hf-bert-base", "hf-vit-base"]
+          "efficientnet_b0", "convnext_tiny", "regnety_040", "hf-resnet50", "hf-bert-base", "hf-vit-base"]
 BATCHES = (32, 1, 256)
 
 
