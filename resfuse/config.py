@@ -29,6 +29,9 @@ class Config:
     max_pool: bool = True
     ("Run max-pool and its backward on resfuse's Triton kernels instead of ATen's, where the fused ops run on "
      "Triton; a relu gradient right after the pool's is applied on the way out.")
+    merge_linears: bool = True
+    ("Merge linear layers that read the same input (attention's q, k and v) into one wider GEMM, before "
+     "aot_autograd, so training's backward gets one data-gradient GEMM for them too.")
     providers: tuple[str, ...] = ("triton", "aten")
     "Who may run a fused op on CUDA, in order of preference until the tuner measures them."
     tuning: str = "fast"

@@ -22,6 +22,7 @@ from ..ops import lower_to_impls
 from ..passes import PassContext, run_passes
 from ..passes.attention_mask import contiguous_attention_masks
 from ..passes.liveness import peak_bytes
+from ..passes.merge_linears import merge_linears
 from ..passes.report import Report
 from ..tuning.progress import PROGRESS
 from . import cuda_graphs, inductor
@@ -131,7 +132,10 @@ def make_backend(config: Config, report: Report, run_graph: bool = True):
         configure(config.tuning, config.cache_dir, config.tuning_budget_s, config.retune)
 
     def backend(gm: fx.GraphModule, example_inputs):
-        gm = contiguous_attention_masks(gm, report)  # before aot_autograd: its trace picks the attention kernel
+        # before aot_autograd: its trace picks the attention kernel, and differentiates the merged linears
+        gm = contiguous_attention_masks(gm, report)
+        if config.merge_linears:
+            gm = merge_linears(gm, report)
         # per dynamo graph, so that a backward knows whether its own forward replays as a CUDA graph
         step = functools.partial(compile_graph, config=config, report=report, run_graph=run_graph, graphed={})
         lower = aot_autograd(fw_compiler=functools.partial(step, graph="forward"),

@@ -42,7 +42,9 @@ def test_bert_base_fuses_biases_gelu_and_residual_adds():
     report, err = compile_and_compare(model, torch.randint(0, 1000, (2, 12)))
     assert err <= 1e-4
     gemms = [f for f in report.fusions if f.anchor == "gemm"]
-    assert len(gemms) == 12 * 6 + 1 and all(f.ops[0] == "bias" for f in gemms)  # every linear, plus the pooler
+    # every linear, q, k and v merged into one, plus the pooler
+    assert len(gemms) == 12 * 4 + 1 and all(f.ops[0] == "bias" for f in gemms)
+    assert sum("3 linears on" in r and "of 2304 outputs" in r for r in report.rewrites) == 12
     assert sum(f.ops == ["bias", "gelu"] for f in gemms) == 12
     assert sum(f.ops == ["bias", "add"] for f in gemms) == 24  # attention output and FFN output projections
     assert all("embedding" in r.reason for r in report.rejected)
