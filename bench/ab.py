@@ -1,15 +1,17 @@
-"""Config.remainder A/B on the GPU machine: the ops no fusion absorbed run eagerly or through Inductor.
+"""A/B of resfuse's Config switches on the GPU machine, beside torch.compile's modes, one process per job.
 
-Entry point: `python bench/remainder.py [--jobs mobilenet_v3_large:32,...] [--peers reduce-overhead,...] [--out DIR]`.
-Per (model, batch), in one process: the peers asked for (torch.compile modes), then resfuse+graphs with the
-remainder eager and with it compiled by Inductor. The eager-remainder variant tunes first (fresh cache or not),
-so the Inductor one reads the same tuning choices: the two differ in the remainder only. fp16, channels_last,
-CUDA-event medians over rotated inputs (resfuse.bench.timing), errors against eager. A table prints last; the
-JSON goes to --out.
+Entry point: `python bench/ab.py [--jobs mobilenet_v3_large:32,...] [--peers "reduce-overhead,rf+graphs
+remainder=eager,rf+graphs"] [--out DIR]`. A peer is a torch.compile mode (eager, compile, reduce-overhead) or
+`rf` / `rf+graphs` (resfuse.compile, with cuda_graphs=True for the latter) followed by space-separated
+`option=value` Config overrides. Per (model, batch), in one process, in the order given: the first resfuse
+variant tunes (fresh cache or not) and the later ones read its tuning choices, so variants differ in their
+switches only. fp16, channels_last, CUDA-event medians over rotated inputs (resfuse.bench.timing), errors
+against eager. A table prints last; the JSON goes to --out (ab.json).
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import sys
@@ -24,15 +26,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import resfuse  # noqa: E402
 from resfuse.bench import models, timing  # noqa: E402
 
-VARIANTS = {
+PEERS = {
     "eager": lambda m: m,
     "compile": lambda m: torch.compile(m),
     "reduce-overhead": lambda m: torch.compile(m, mode="reduce-overhead"),
-    "rf+graphs eager-rest": lambda m: resfuse.compile(m, cuda_graphs=True, remainder="eager"),
-    "rf+graphs inductor-rest": lambda m: resfuse.compile(m, cuda_graphs=True, remainder="inductor"),
-    "rf eager-rest": lambda m: resfuse.compile(m, remainder="eager"),
-    "rf inductor-rest": lambda m: resfuse.compile(m, remainder="inductor"),
 }
+
+
+def variant(peer: str):
+    """The callable-maker for a peer spec: a torch.compile mode, or `rf[+graphs] option=value ...`."""
+    if peer in PEERS:
+        return PEERS[peer]
+    head, *overrides = peer.split()
+    if head not in ("rf", "rf+graphs"):
+        raise ValueError(f"peer {peer!r}: one of {', '.join(PEERS)}, or rf / rf+graphs with option=value overrides")
+    options = {"cuda_graphs": head == "rf+graphs"}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[key] = value  # a plain word: remainder=eager
+    return lambda m: resfuse.compile(m, **options)
 
 
 def run_job(name: str, batch: int, peers: list[str], iters: int) -> dict:
@@ -46,7 +61,7 @@ def run_job(name: str, batch: int, peers: list[str], iters: int) -> dict:
         torch._dynamo.reset()
         fn = None
         try:
-            fn = VARIANTS[peer](model)
+            fn = variant(peer)(model)
             first_s, outs = timing.first_call(fn, sets[0], device)
             rel, _ = timing.output_error(outs, refs)
             lat = timing.latency(fn, sets, device, iters)
@@ -66,12 +81,14 @@ def run_job(name: str, batch: int, peers: list[str], iters: int) -> dict:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--jobs", default="mobilenet_v3_large:32,efficientnet_b0:32,convnext_tiny:32,regnety_040:32")
-    p.add_argument("--peers", default="eager,reduce-overhead,rf+graphs eager-rest,rf+graphs inductor-rest")
+    p.add_argument("--peers", default="eager,reduce-overhead,rf+graphs remainder=eager,rf+graphs")
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--budget-s", type=float, default=540)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     peers = [s for s in args.peers.split(",") if s]
+    for peer in peers:
+        variant(peer)  # a misspelt peer fails here, not after the first job's minutes
     t0, results = time.time(), []
     for item in args.jobs.split(","):
         if time.time() - t0 > args.budget_s:
@@ -79,7 +96,7 @@ def main():
             continue
         name, _, batch = item.rpartition(":")
         results.append(run_job(name, int(batch), peers, args.iters))
-        Path(args.out, "remainder.json").write_text(json.dumps(results, indent=1))
+        Path(args.out, "ab.json").write_text(json.dumps(results, indent=1))
     print(f"\n{'job':24s}" + "".join(f"{peer[:22]:>24s}" for peer in peers))
     for r in results:
         cells = [r["peers"][peer] for peer in peers]
