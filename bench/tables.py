@@ -1,0 +1,52 @@
+"""Markdown tables for BENCHMARKS.md from the JSON that bench/models.py writes (one row per model and batch).
+
+Entry point: `python bench/tables.py bench/results/models_zoo_*_h100.json`. Rows are grouped by batch size and
+keep the order of the files and jobs given; a (model, batch) seen twice keeps its last measurement. Each ratio
+compares peers of the same job (one process), never across jobs.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+PEERS = ("eager", "compile", "reduce-overhead", "resfuse", "resfuse+graphs")
+OTHERS = ("eager", "compile", "reduce-overhead")  # what a user would run instead of resfuse
+
+
+def ms(result: dict, peer: str) -> float | None:
+    p = result["peers"].get(peer, {})
+    return p.get("latency_ms") if p.get("status") == "ok" else None
+
+
+def row(r: dict) -> str:
+    cells = [f"{v:.3f}" if (v := ms(r, p)) is not None else "-" for p in PEERS]
+    others = {p: ms(r, p) for p in OTHERS if ms(r, p) is not None}
+    best_peer = min(others, key=others.get) if others else None
+    ours = ms(r, "resfuse+graphs")
+    vs = f"**{others[best_peer] / ours:.2f}x** ({best_peer})" if best_peer and ours else "-"
+    rf = r["peers"].get("resfuse+graphs", {})
+    err = rf.get("max_rel_err")
+    first = r["peers"].get("resfuse", {}).get("compile_s")  # the variant that ran first: capture + cold tuning
+    return (f"| {r['model']} | {r['batch']} | {r['floor']['ms']:.3f} | " + " | ".join(cells)
+            + f" | {vs} | {'-' if err is None else f'{err:.1e}'} | {'-' if first is None else f'{first:.0f}'} |")
+
+
+def main(paths: list[str]) -> int:
+    results: dict[tuple, dict] = {}
+    for path in paths:
+        data = json.load(open(path))
+        for r in data if isinstance(data, list) else []:  # a tuning-cache export beside them is skipped
+            if "error" not in r:
+                results[(r["model"], r["batch"])] = r
+    batches = sorted({b for _, b in results})
+    print("| model | bs | floor | " + " | ".join(PEERS) + " | resfuse+graphs vs best peer | rel err | resfuse first call s |")
+    print("| --- " * (len(PEERS) + 6) + "|")
+    for batch in batches:
+        for (model, b), r in results.items():
+            if b == batch:
+                print(row(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
