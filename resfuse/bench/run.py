@@ -48,7 +48,7 @@ from . import models, report, roofline, timing
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 OPTIONAL_PEERS = ("eager", "compile", "reduce-overhead", "max-autotune")
 DEFAULT_PEERS = "eager,compile,reduce-overhead"
-PROFILED = ("compile", "resfuse", "resfuse+graphs")  # --profile: what torch.compile and resfuse launch
+PROFILED = ("eager", "compile", "resfuse", "resfuse+graphs")  # --profile: what eager, torch.compile and resfuse launch
 CPU_NOTE = ("CPU run: these numbers check that the harness and the peers work; speed needs a CUDA GPU "
             "(timed with time.perf_counter, not CUDA events)")
 
@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="write the result as JSON (schema in run.py)")
     parser.add_argument("--plot", metavar="FILE.png", help="bar chart of latencies with the floor")
     parser.add_argument("--profile", action="store_true",
-                        help="torch.profiler top kernels for resfuse and torch.compile")
+                        help="torch.profiler top kernels for eager, torch.compile and resfuse")
     parser.add_argument("--iters", type=int, default=None, help="timed calls per peer (default 100 CUDA, 5 CPU)")
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--seq", type=int, default=384, help="sequence length of text models")
