@@ -20,7 +20,7 @@ from .. import kernels
 from ..config import Config
 from ..ops import lower_to_impls
 from ..passes import PassContext, run_passes
-from ..passes.attention_mask import contiguous_attention_masks
+from ..passes.attention_mask import contiguous_attention_masks, drop_all_true_masks
 from ..passes.liveness import peak_bytes
 from ..passes.merge_linears import merge_linears
 from ..passes.report import Report
@@ -133,7 +133,7 @@ def make_backend(config: Config, report: Report, run_graph: bool = True):
 
     def backend(gm: fx.GraphModule, example_inputs):
         # before aot_autograd: its trace picks the attention kernel, and differentiates the merged linears
-        gm = contiguous_attention_masks(gm, report)
+        gm = contiguous_attention_masks(drop_all_true_masks(gm, report), report)
         if config.merge_linears:
             gm = merge_linears(gm, report)
         # per dynamo graph, so that a backward knows whether its own forward replays as a CUDA graph
