@@ -25,21 +25,27 @@ class Attention(torch.nn.Module):
             q, k, v, attn_mask=mask)
 
 
-def _masks_seen(contiguous: bool, inputs):
-    """The last-dim strides of the masks the SDPA calls get, after the passes, and the passes' report."""
-    strides, report = [], Report()
+def _compiled(module, inputs):
+    """The masks the SDPA calls get after both passes (nodes, or None where dropped), the report, the output."""
+    masks, report = [], Report()
     lower = aot_autograd(fw_compiler=lambda gm, _: gm, inference_compiler=lambda gm, _: gm)
 
     def backend(gm, example_inputs):
         gm = contiguous_attention_masks(drop_all_true_masks(gm, report), report)
-        strides.extend(n.kwargs["attn_mask"].meta["example_value"].stride(-1) for n in gm.graph.nodes
-                       if n.op == "call_function" and "scaled_dot_product" in str(n.target))
+        masks.extend(n.kwargs.get("attn_mask") for n in gm.graph.nodes
+                     if n.op == "call_function" and "scaled_dot_product" in str(n.target))
         return lower(gm, example_inputs)
 
     torch._dynamo.reset()
     with torch.no_grad():
-        out = torch.compile(Attention(contiguous), backend=backend)(*inputs)
-    return strides, report, out
+        out = torch.compile(module, backend=backend)(*inputs)
+    return masks, report, out
+
+
+def _masks_seen(contiguous: bool, inputs):
+    """The last-dim strides of the masks the SDPA calls get, after the passes, and the passes' report."""
+    masks, report, out = _compiled(Attention(contiguous), inputs)
+    return [m.meta["example_value"].stride(-1) for m in masks], report, out
 
 
 def test_stride0_mask_is_made_contiguous_once_and_keeps_the_values():
@@ -79,26 +85,10 @@ class ConstantMask(torch.nn.Module):
             q, k, v, attn_mask=mask)
 
 
-def _masks_after_drop(kind: str, inputs):
-    masks, report = [], Report()
-    lower = aot_autograd(fw_compiler=lambda gm, _: gm, inference_compiler=lambda gm, _: gm)
-
-    def backend(gm, example_inputs):
-        gm = contiguous_attention_masks(drop_all_true_masks(gm, report), report)
-        masks.extend(n.kwargs.get("attn_mask") for n in gm.graph.nodes
-                     if n.op == "call_function" and "scaled_dot_product" in str(n.target))
-        return lower(gm, example_inputs)
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        out = torch.compile(ConstantMask(kind), backend=backend)(*inputs)
-    return masks, report, out
-
-
 @pytest.mark.parametrize("kind", ["all-true", "zero-bias"])
 def test_a_mask_from_constants_that_hides_nothing_is_dropped(kind):
     q, k, v = (torch.randn(2, 3, 7, 8) for _ in range(3))
-    masks, report, out = _masks_after_drop(kind, (q, k, v))
+    masks, report, out = _compiled(ConstantMask(kind), (q, k, v))
     assert masks == [None, None]
     assert sum("dropped" in r for r in report.rewrites) == 1  # one verdict for the mask both calls share
     torch.testing.assert_close(out, ConstantMask(kind)(q, k, v), rtol=1e-5, atol=1e-5)
@@ -107,7 +97,7 @@ def test_a_mask_from_constants_that_hides_nothing_is_dropped(kind):
 
 def test_a_constant_mask_that_hides_keys_is_kept():
     q, k, v = (torch.randn(2, 3, 7, 8) for _ in range(3))
-    masks, report, out = _masks_after_drop("causal", (q, k, v))
+    masks, report, out = _compiled(ConstantMask("causal"), (q, k, v))
     assert all(m is not None for m in masks) and not any("dropped" in r for r in report.rewrites)
     torch.testing.assert_close(out, ConstantMask("causal")(q, k, v), rtol=1e-5, atol=1e-5)
 
