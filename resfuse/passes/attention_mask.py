@@ -11,12 +11,11 @@ head: on an H100, ViT-B at bs256 spent 541 us a call against eager's 174 (bench/
 computed from constants alone is evaluated once, here; if every value is True (or, for an additive mask, 0) it
 is dropped, which changes no result. A mask that depends on an input (a real padding mask) is kept.
 
-HF transformers builds its bidirectional mask
-under torch.compile as an expanded bool tensor whose last dim has stride 0 (it skips the mask in eager).
-Flash, memory-efficient and cuDNN attention all need the mask's last dim contiguous, so the trace fell back
-to math SDPA: q, k and v upcast to fp32, two fp32 bmm and an fp32 softmax per layer, 4x slower than eager
-on BERT-base (bench/sdpa_probe.py, H200). One `.contiguous()` per mask node (shared by every layer that
-uses it) restores a fused kernel; the mask's values, and so the result, do not change.
+Where a mask stays, HF transformers builds it under torch.compile as an expanded bool tensor whose last dim has
+stride 0. Flash, memory-efficient and cuDNN attention all need the mask's last dim contiguous, so the trace fell
+back to math SDPA: q, k and v upcast to fp32, two fp32 bmm and an fp32 softmax per layer, 4x slower than eager
+on BERT-base (bench/sdpa_probe.py, H200). One `.contiguous()` per mask node (shared by every layer that uses it)
+restores a fused kernel; the mask's values, and so the result, do not change.
 """
 from __future__ import annotations
 
@@ -40,16 +39,8 @@ def _constant_base(mask: fx.Node) -> fx.Node | None:
     base = mask
     while base.op == "call_method" and base.target in BROADCASTS:
         base = base.args[0]
-    seen, stack = set(), [base]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node.op not in ("call_function", "call_method"):
-            return None
-        stack.extend(node.all_input_nodes)
-    return base
+    computed = all(n.op in ("call_function", "call_method") for n in _ancestors(base) | {base})
+    return base if computed else None
 
 
 def _evaluate(gm: fx.GraphModule, node: fx.Node):

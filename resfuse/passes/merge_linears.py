@@ -37,7 +37,7 @@ def _group_key(node: fx.Node):
     computed in the graph, so they exist before the first linear), dtype, device and input width."""
     x, w, b = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias")
     params = [p for p in (w, b) if p is not None]
-    if not isinstance(x, fx.Node) or not all(isinstance(p, fx.Node) and p.op in ("placeholder", "get_attr")
+    if not isinstance(_value(x), torch.Tensor) or not all(isinstance(p, fx.Node) and p.op in ("placeholder", "get_attr")
                                              for p in params):
         return None
     wv, bv = _value(w), _value(b)
