@@ -39,7 +39,8 @@ def main(paths: list[str]) -> int:
             if "error" not in r:
                 results[(r["model"], r["batch"])] = r
     batches = sorted({b for _, b in results})
-    print("| model | bs | floor | " + " | ".join(PEERS) + " | resfuse+graphs vs best peer | rel err | resfuse first call s |")
+    print("| model | bs | floor | " + " | ".join(PEERS)
+          + " | resfuse+graphs vs best peer | rel err | resfuse first call s |")
     print("| --- " * (len(PEERS) + 6) + "|")
     for batch in batches:
         for (model, b), r in results.items():
