@@ -1,10 +1,11 @@
 """Where resfuse's host time goes, and what CUDA graphs recover (GPU machine).
 
-  python3 bench/host_profile.py [--model resnet50] [--batch 1] --out $OUT
+  python3 bench/host_profile.py [--model resnet50 mobilenet_v3_large] [--batch 1] --out $OUT
 
 Compiles the model with resfuse (fp16, channels_last), checks it against eager, times resfuse with and without
 cuda_graphs=True beside torch.compile reduce-overhead (CUDA events, median of 50 calls), then runs cProfile
-over 20 uncaptured calls and prints the functions with the most own time. Full profile in $OUT/host_profile.txt.
+over 20 uncaptured calls at the first batch size and prints the functions with the most own and cumulative
+time. Full profile in $OUT/host_profile.txt.
 """
 import argparse
 import cProfile
@@ -27,26 +28,26 @@ def median_ms(fn, x, iters=50):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="resnet50")
+    p.add_argument("--model", nargs="+", default=["resnet50"])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     torch.backends.cudnn.benchmark = True
     rows, report = [], io.StringIO()
-    for batch in args.batch:
-        model, (x,) = models.load(args.model, batch, torch.float16, "cuda")
+    for name, batch in [(m, b) for m in args.model for b in args.batch]:
+        model, (x,) = models.load(name, batch, torch.float16, "cuda")
         with torch.no_grad():
             ref = model(x).float()
             peers = {}
             torch._dynamo.reset()
             peers["reduce-overhead"] = torch.compile(model, mode="reduce-overhead")
-            peers["resfuse"] = resfuse.compile(model)
+            peers["resfuse"] = resfuse.compile(model, cuda_graphs=False)
             peers["resfuse+graphs"] = resfuse.compile(model, cuda_graphs=True)
             res = {}
-            for name, fn in peers.items():
+            for peer, fn in peers.items():
                 out = fn(x).float()
                 err = ((out - ref).norm() / ref.norm()).item()
-                res[name] = (median_ms(fn, x), err)
+                res[peer] = (median_ms(fn, x), err)
             if batch == args.batch[0]:
                 prof = cProfile.Profile()
                 fn = peers["resfuse"]
@@ -56,15 +57,15 @@ def main():
                 torch.cuda.synchronize()
                 prof.disable()
                 s = io.StringIO()
-                pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(40)
-                report.write(s.getvalue())
-        rows.append((batch, res))
+                for order in ("tottime", "cumulative"):
+                    pstats.Stats(prof, stream=s).sort_stats(order).print_stats(40)
+                report.write(f"==== {name} bs{batch}: 20 calls\n{s.getvalue()}")
+        rows.append((name, batch, res))
     with open(os.path.join(args.out, "host_profile.txt"), "w") as f:
         f.write(report.getvalue())
-    print(report.getvalue()[:6000])
-    print(f"\n{args.model} fp16 channels_last, median ms (rel err vs eager) on {torch.cuda.get_device_name()}")
-    for batch, res in rows:
-        print(f"bs{batch}: " + "  ".join(f"{k} {t:.3f} ({e:.1e})" for k, (t, e) in res.items()))
+    print(f"\nfp16 channels_last, median ms (rel err vs eager) on {torch.cuda.get_device_name()}")
+    for name, batch, res in rows:
+        print(f"{name} bs{batch}: " + "  ".join(f"{k} {t:.3f} ({e:.1e})" for k, (t, e) in res.items()))
 
 
 if __name__ == "__main__":

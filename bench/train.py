@@ -69,7 +69,7 @@ def peers():
         "eager": lambda m: m,
         "compile": lambda m: torch.compile(m),
         "reduce-overhead": lambda m: torch.compile(m, mode="reduce-overhead"),
-        "resfuse": lambda m: resfuse.compile(m),
+        "resfuse": lambda m: resfuse.compile(m),  # training: no CUDA graphs unless asked
         "resfuse+graphs": lambda m: resfuse.compile(m, cuda_graphs=True),
         "resfuse-no-ato": lambda m: resfuse.compile(m, fuse_add_to_output=False),
         "resfuse+graphs-no-ato": lambda m: resfuse.compile(m, cuda_graphs=True, fuse_add_to_output=False),

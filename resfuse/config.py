@@ -46,14 +46,21 @@ class Config:
     "Force a split-K factor for every GEMM/conv kernel; None lets the heuristic choose."
     cache_dir: str = dataclasses.field(default_factory=_default_cache_dir)
     "Where generated kernels and the tuning cache live (env RESFUSE_CACHE_DIR)."
-    cuda_graphs: bool = False
-    ("Replay compiled graphs through CUDA graphs: inference, and training's forward and backward (torch's CUDA graph "
-     "trees, as reduce-overhead). Small batches and training steps are launch-bound.")
+    cuda_graphs: bool | None = None
+    ("Replay compiled graphs through CUDA graphs. None (auto): inference graphs on CUDA, whose replays return "
+     "copies, as eager does; True: training's forward and backward too (torch's CUDA graph trees, as "
+     "reduce-overhead); False: none (each fused op then costs ~100-300 us of Python on the host).")
     remainder: str = "auto"
     ("What runs the ops no fusion absorbed: inductor (torch.compile's compiler fuses them, with our fused ops as "
      "calls), eager (ATen, op by op), or auto (inductor on CUDA, eager on CPU).")
     debug_dump: str | None = None
     "Folder to write the FX graph after each pass as NN-passname.txt (env RESFUSE_DUMP)."
+
+    def graphs(self, graph: str, example_inputs) -> bool:
+        """Does this graph ("inference", "forward" or "backward") replay through CUDA graphs?"""
+        if self.cuda_graphs is not None:
+            return self.cuda_graphs
+        return graph == "inference" and any(getattr(t, "is_cuda", False) for t in example_inputs)
 
     def __post_init__(self):
         if self.remainder not in REMAINDERS:

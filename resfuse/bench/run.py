@@ -7,8 +7,9 @@ report (rich table, JSON, PNG).
 
 Peers: eager (always; it is the numerics reference), then those in --peers among compile (torch.compile
 default), reduce-overhead (CUDA graphs), max-autotune (slow to compile, so opt-in), then resfuse
-(`resfuse.compile(model)`, always) and on CUDA resfuse+graphs (`cuda_graphs=True`; --no-cuda-graphs drops
-it). One failing peer is recorded with its error and the run goes on.
+(`resfuse.compile(model, cuda_graphs=False)`, always) and on CUDA resfuse+graphs (`cuda_graphs=True`, which
+for inference is what `resfuse.compile(model)` does on CUDA; --no-cuda-graphs drops it). One failing peer is
+recorded with its error and the run goes on.
 
 JSON schema ("schema": "resfuse-bench/1"); every time is the median unless its name says otherwise:
   schema str, created str (ISO 8601 UTC), argv list[str] | null

@@ -54,9 +54,10 @@ def compile_graph(gm: fx.GraphModule, example_inputs, *, config: Config, graph: 
         return original
     if not run_graph:
         return original
-    why_not = cuda_graphs.refusal(gm, graph) if config.cuda_graphs else None  # before lowering: reads op schemas
+    graphed_here = config.graphs(graph, example_inputs)
+    why_not = cuda_graphs.refusal(gm, graph) if graphed_here else None  # before lowering: reads op schemas
     built = build(gm, example_inputs, config, graph, report)
-    if not config.cuda_graphs:
+    if not graphed_here:
         return built
     if why_not:
         report.notes.append(f"{graph} graph runs without CUDA graphs: {why_not}")

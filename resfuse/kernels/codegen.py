@@ -20,7 +20,9 @@ from pathlib import Path
 
 from .. import epilogue as epi
 
-TEMPLATE_VERSION = 2  # bump when the generated glue or a mainloop's calling convention changes
+# bump when the generated glue or a mainloop's calling convention changes, or when a family takes on ops whose
+# cached winners were chosen without it (3: depthwise convs)
+TEMPLATE_VERSION = 3
 
 _LOADED: dict[tuple[str, str], object] = {}
 _LOCK = threading.Lock()

@@ -23,6 +23,8 @@ from .conv2d_bwd_data import FAMILY as DGRAD_FAMILY, DgradConfig, DgradProblem, 
 from .conv2d_bwd_data import default_config as dgrad_config
 from .conv2d_fprop import FAMILY as CONV_FAMILY, TMA_FAMILY as CONV_TMA_FAMILY, ConvConfig, ConvProblem, tma_box
 from .conv2d_fprop import default_config as conv_config
+from .conv2d_depthwise import FAMILY as DEPTHWISE_FAMILY, DepthwiseConfig, is_depthwise, pixel_alignment
+from .conv2d_depthwise import default_config as depthwise_config
 from .matmul import FAMILY as GEMM_FAMILY, TMA_FAMILY as GEMM_TMA_FAMILY, GemmConfig, GemmProblem
 from .matmul import default_config as gemm_config
 
@@ -237,7 +239,14 @@ def conv_tma_operands(x: torch.Tensor, w: torch.Tensor, stride) -> tuple[torch.T
 
 
 def conv2d(x: torch.Tensor, w: torch.Tensor, operands, signature: str, stride, padding, dilation,
-           out: torch.Tensor, config: ConvConfig | None = None, aux: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor, config: ConvConfig | DepthwiseConfig | None = None,
+           aux: torch.Tensor | None = None) -> torch.Tensor:
+    if is_depthwise(x.shape, w.shape):
+        key = plan_key("depthwise", signature, tuple(stride), tuple(padding), tuple(dilation), config, x, w, out,
+                       aux, *operands)
+        return _cached_launch(
+            key, lambda: _depthwise_plan(x, w, operands, signature, stride, padding, dilation, out, config),
+            (x, w), out, operands, signature, 1, aux)
     if (config is not None and config.tma and conv_as_gemm(x, w, stride, padding, out.stride()) is None
             and conv_tma_operands(x, w, stride) is None):
         config = dataclasses.replace(config, tma=False)
@@ -271,6 +280,27 @@ def _conv_plan(x, w, operands, signature, stride, padding, dilation, out, config
                 PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return Plan(codegen.load(CONV_FAMILY, signature), (tiles, 1, split), head,
                 operand_strides(signature, operands, out.shape, 1), meta, (tiles, split, cfg.block_m, cfg.block_n))
+
+
+def _depthwise_plan(x, w, operands, signature, stride, padding, dilation, out, config) -> Plan | None:
+    _check_inputs(x, w, out)
+    nb, c, h, wd = x.shape
+    ko, _, r, s = w.shape
+    oh, ow = out.shape[2:]
+    if out.numel() == 0:
+        return None
+    cfg = config or depthwise_config(ConvProblem(nb, c, ko, r, s, oh, ow, x.element_size(), sm_count(x.device)))
+    tiles = nb * triton.cdiv(oh, cfg.block_h) * triton.cdiv(ow, cfg.block_w) * triton.cdiv(ko, cfg.block_n)
+    s_on, s_ok, s_oh, s_ow = out.stride()
+    s_wk, _, s_wr, s_ws = w.stride()
+    vec = pixel_alignment(x)
+    s_xn, s_xc, s_xh, s_xw = x.stride()
+    head = [nb, h, wd, c, ko, oh, ow, r, ko // c, s_xn // vec, s_xc, s_xh // vec, s_xw // vec, s_wk, s_wr, s_ws,
+            s_on, s_oh, s_ow, stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1], s_ok]
+    meta = dict(BM=cfg.block_m, BN=cfg.block_n, BH=cfg.block_h, BW=cfg.block_w, S=s, VEC=vec, SPLIT_K=1,
+                num_warps=cfg.num_warps)
+    return Plan(codegen.load(DEPTHWISE_FAMILY, signature), (tiles, 1, 1), head,
+                operand_strides(signature, operands, out.shape, 1), meta, (tiles, 1, cfg.block_m, cfg.block_n))
 
 
 def _tma_conv_plan(x, w, operands, signature, out, cfg, split, padding, dilation) -> Plan:

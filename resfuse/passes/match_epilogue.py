@@ -79,9 +79,10 @@ def _training_refusal(origin: fx.Node) -> str | None:
 
 
 def _conv_refusal(w: fx.Node, transposed: bool) -> str | None:
-    """Convs and their data gradients may be grouped (depthwise included): cuDNN runs the conv and our epilogue
-    kernel the rest (our conv and dgrad kernels are groups=1; the triton and cudnn providers refuse such
-    calls). Groups are implied by the shapes, so the fused ops take no argument for them."""
+    """Convs and their data gradients may be grouped. A depthwise forward conv runs on our depthwise kernel; any
+    other grouped conv, and every grouped data gradient, runs cuDNN and our epilogue kernel for the rest (our
+    other conv and dgrad kernels are groups=1; the cudnn provider refuses grouped calls). Groups are implied by
+    the shapes, so the fused ops take no argument for them."""
     if transposed:
         return "transposed convolution not supported"
     if legality.val(w) is not None and legality.val(w).dim() != 4:

@@ -154,9 +154,9 @@ _PLANS: dict = {}
 
 
 def _plan(call) -> Plan:
-    from ..tuning.choose import key
+    from ..tuning.choose import fast_key
 
-    k = key(call)
+    k = fast_key(call)
     if k not in _PLANS:
         _PLANS[k] = Plan(call)
     return _PLANS[k]
@@ -170,9 +170,9 @@ def candidates(call, level: str) -> list[Candidate]:
     try:
         plan = _plan(call)
     except Exception as e:  # cuDNN has no engine for this graph (check_support) or cannot build it: refused
-        from ..tuning.choose import key
+        from ..tuning.choose import fast_key
 
-        _PLANS.pop(key(call), None)
+        _PLANS.pop(fast_key(call), None)
         print(f"resfuse: cudnn provider refused {call.signature} on {tuple(call.out.shape)}: "
               f"{type(e).__name__}: {str(e)[:160]}")
         return []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from .. import kernels
+from ..kernels.conv2d_depthwise import is_depthwise
 from ..tuning import space
 from ..tuning.select import Candidate
 
@@ -14,8 +15,9 @@ from ..tuning.select import Candidate
 def refusal(call) -> str | None:
     if not kernels.available(call.out.device):
         return f"no Triton kernels on {call.out.device}"
-    if call.op == "conv2d" and call.inputs[0].shape[1] != call.inputs[1].shape[1]:
-        return "grouped convolution"
+    if call.op == "conv2d" and call.inputs[0].shape[1] != call.inputs[1].shape[1] and not is_depthwise(
+            *(t.shape for t in call.inputs)):
+        return "grouped convolution that is not depthwise"
     if call.op == "conv2d_dgrad" and call.out.shape[1] != call.inputs[1].shape[1]:
         return "grouped convolution's data gradient"
     return None

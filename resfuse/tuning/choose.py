@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from .. import providers
-from ..kernels import codegen, conv2d_bwd_data, conv2d_fprop, matmul
+from ..kernels import codegen
 from ..ops.fused import Output
-from . import select
+from . import select, space
 from .cache import Entry, Key, TuningCache, environment
 from .progress import PROGRESS
 
@@ -91,17 +91,12 @@ def key(call: Call) -> Key:
                (*[tuple(t.stride()) for t in tensors], tuple(out.strides)), call.signature, gpu, sms, versions)
 
 
-def _config(op: str, fields: dict):
-    cls = {"conv2d": conv2d_fprop.ConvConfig, "gemm": matmul.GemmConfig, "conv2d_dgrad": conv2d_bwd_data.DgradConfig}
-    return cls[op](**fields)
-
-
 def choose(call: Call) -> Choice:
     level = _SETTINGS["level"]
     if level == "none" or not _tunable(call.out.device):
         # our kernel's heuristic config, where our kernel takes the op (a grouped conv it refuses)
         return HEURISTIC if providers.triton.refusal(call) is None else UNTUNED
-    fast = _fast_key(call)  # every call passes here: no hashing, no device queries
+    fast = fast_key(call)  # every call passes here: no hashing, no device queries
     if fast in _CHOICES:
         return _CHOICES[fast]
     k = key(call)
@@ -126,7 +121,7 @@ def choose(call: Call) -> Choice:
         _cache().put(k, entry, replace=_SETTINGS["force"])
     else:
         PROGRESS.op_done()  # a cache hit: no line
-    choice = Choice(entry.provider, _config(call.op, entry.config) if entry.provider == "triton" else None)
+    choice = Choice(entry.provider, space.config(call, entry.config) if entry.provider == "triton" else None)
     _CHOICES[fast] = choice
     return choice
 
@@ -151,8 +146,9 @@ def _off_thread(device: torch.device, fn, *args, **kwargs):
         return worker.submit(work).result()
 
 
-def _fast_key(call: Call) -> tuple:
-    """What makes two calls in this process the same problem (the device and versions cannot change)."""
+def fast_key(call: Call) -> tuple:
+    """What makes two calls in this process the same problem (versions cannot change; out holds the device).
+    Cheap: every fused call computes it (the SQLite key, `key`, queries the device)."""
     return (call.op, call.signature, str(call.params), call.out,
             *[(t.shape, t.stride(), t.dtype) for t in (*call.inputs, *call.operands)])
 

@@ -1,7 +1,8 @@
 """The tuning space per level: which kernel configs the triton provider offers for one fused op.
 
 Entry point: `configs(call, level)`. The space itself is declared beside each kernel (`SPACE` and the
-config's `check` in kernels/matmul.py, kernels/conv2d_fprop.py and kernels/conv2d_bwd_data.py); here it is pruned by level:
+config's `check` in kernels/matmul.py, kernels/conv2d_fprop.py, kernels/conv2d_depthwise.py and
+kernels/conv2d_bwd_data.py); here it is pruned by level:
   none  the heuristic default only (no tuning);
   fast  the default and a few tile shapes around it that suit Hopper (the default level);
   max   every point of SPACE that passes `check` (hundreds of compiles: slow).
@@ -11,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from ..kernels import conv2d_bwd_data, conv2d_fprop, launch, matmul
+from ..kernels import conv2d_bwd_data, conv2d_depthwise, conv2d_fprop, launch, matmul
 from ..kernels.launch import sm_count
 
 # (block_m, block_n, num_warps, num_stages) tried by "fast", besides the heuristic default
@@ -23,6 +24,18 @@ FAST_TILES = ((128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4), (128, 256, 8, 
 # 80.2 -> 54.2, best against best), so the pointer twins would only cost compiles.
 LEVELS = ("none", "fast", "max")
 MODULES = {"conv2d": conv2d_fprop, "gemm": matmul, "conv2d_dgrad": conv2d_bwd_data}  # op -> its kernel's space
+
+
+def module(call):
+    """The kernel module whose space serves `call`: a depthwise conv has its own family."""
+    if call.op == "conv2d" and conv2d_depthwise.is_depthwise(*(t.shape for t in call.inputs)):
+        return conv2d_depthwise
+    return MODULES[call.op]
+
+
+def config(call, fields: dict):
+    """A cached entry's config fields, as the config class of `call`'s kernel family."""
+    return type(module(call).default_config(problem(call)))(**fields)
 
 
 def problem(call):
@@ -55,15 +68,17 @@ def _tma_readable(call) -> bool:
 def configs(call, level: str) -> list:
     if level not in LEVELS:
         raise ValueError(f"tuning level {level!r}: one of {LEVELS}")
-    module = MODULES[call.op]
+    family = module(call)
     p = problem(call)
-    default = module.default_config(p)
+    default = family.default_config(p)
     if level == "none":
         return [default]
     if level == "max":
         cls = type(default)
-        points = (cls(**dict(zip(module.SPACE, values))) for values in itertools.product(*module.SPACE.values()))
+        points = (cls(**dict(zip(family.SPACE, values))) for values in itertools.product(*family.SPACE.values()))
         found = [c for c in points if c.check(p)]
+    elif family is conv2d_depthwise:
+        found = conv2d_depthwise.fast_configs(default)
     else:
         tma = call.op in ("gemm", "conv2d") and _tma_readable(call)
         found = [default] + [dataclasses.replace(default, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns,

@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 import resfuse
 from resfuse.capture.backend import make_backend
+from resfuse.kernels.conv2d_depthwise import is_depthwise
 
 ACTS = {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU, "hardswish": nn.Hardswish, "none": nn.Identity}
 
@@ -59,10 +60,11 @@ def test_random_residual_nets_infer_like_eager(net, epilogue, add_to_output, dyn
 def test_random_residual_nets_infer_like_eager_through_the_triton_kernels(net, dynamic, seed):
     report = check(net, seed, dynamic, interpret=True)
     assert report.fusions
-    for f in report.fusions:  # a grouped conv runs cuDNN (ATen on CPU) + our epilogue kernel; the rest ours
+    for f in report.fusions:  # a grouped conv (but a depthwise forward) runs cuDNN (ATen on CPU) + our epilogue
+        # kernel; the rest ours
         x_shape, w_shape = f.shapes["inputs"]  # (paths are counted per signature, which convs may share)
         ran = set(f.ran.split(","))
-        grouped = f.anchor == "conv2d" and x_shape[1] != w_shape[1]
+        grouped = f.anchor == "conv2d" and x_shape[1] != w_shape[1] and not is_depthwise(x_shape, w_shape)
         assert ran <= {"triton", "epilogue"} and ("epilogue" if grouped else "triton") in ran, f
 
 

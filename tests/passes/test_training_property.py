@@ -9,6 +9,7 @@ import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
 import resfuse
+from resfuse.kernels.conv2d_depthwise import is_depthwise
 
 
 ACTS = {"relu": torch.relu, "silu": nn.functional.silu, "gelu": nn.functional.gelu}
@@ -68,10 +69,12 @@ def test_random_residual_nets_train_like_eager(net, epilogue, add_to_output, dyn
 @given(networks(), st.integers(0, 2**16))
 def test_random_residual_nets_train_like_eager_through_the_triton_kernels(net, seed):
     report = check_one_step(net, seed, interpret=True)
-    for f in report.fusions:  # a grouped conv runs cuDNN (ATen on CPU) + our epilogue kernel; the rest ours
+    for f in report.fusions:  # a grouped conv (but a depthwise forward) runs cuDNN (ATen on CPU) + our epilogue
+        # kernel; the rest ours
         x_shape, w_shape = f.shapes["inputs"]  # (paths are counted per signature, which convs may share)
         c_in = f.shapes["out"][1] if f.anchor == "conv2d_dgrad" else x_shape[1]  # dgrad: out is grad_input
-        grouped = f.anchor in ("conv2d", "conv2d_dgrad") and c_in != w_shape[1]
+        grouped = (f.anchor in ("conv2d", "conv2d_dgrad") and c_in != w_shape[1]
+                   and not (f.anchor == "conv2d" and is_depthwise(x_shape, w_shape)))
         ran = set(f.ran.split(","))
         assert ran <= {"triton", "epilogue"} and ("epilogue" if grouped else "triton") in ran, f
 

@@ -1,0 +1,91 @@
+"""Depthwise conv2d kernel numerics under the interpreter: every epilogue op, channel multipliers, non-square
+kernels, stride/padding/dilation, layouts, and every config of the fast level; float64 references."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import assume, given, settings, strategies as st
+
+from resfuse import epilogue as epi
+from resfuse.kernels import launch
+from resfuse.kernels.conv2d_depthwise import DepthwiseConfig, default_config, fast_configs, is_depthwise
+from resfuse.kernels.conv2d_fprop import ConvProblem
+from resfuse.ops.fused import conv_out_shape
+
+from .epilogues import assert_close, check_aux, make_operand, poisoned_aux, reference, trees, with_layout
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TILES = [None, DepthwiseConfig(1, 16, 16, 2), DepthwiseConfig(4, 8, 64, 4), DepthwiseConfig(2, 4, 32, 2)]
+
+
+def depthwise(x, w, stride, padding, dilation, tree, operands, config=None, out_layout=torch.channels_last,
+              aux=None):
+    shape = conv_out_shape(x, w, stride, padding, dilation)
+    out = torch.full(shape, float("nan"), dtype=x.dtype).contiguous(memory_format=out_layout)
+    return launch.conv2d(x, w, operands, str(tree), list(stride), list(padding), list(dilation), out, config, aux)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from(DTYPES), n=st.integers(1, 2), c=st.sampled_from([2, 3, 8, 17, 40]),
+       mult=st.sampled_from([1, 1, 2]), hw=st.tuples(st.integers(1, 11), st.integers(1, 11)),
+       rs=st.tuples(st.sampled_from([1, 3, 5, 7]), st.sampled_from([1, 3, 5])), stride=st.sampled_from([1, 2]),
+       padding=st.sampled_from([0, 1, 3]), dilation=st.sampled_from([1, 2]),
+       layout=st.sampled_from(["channels_last", "channels_last", "contiguous", "strided"]),
+       config=st.sampled_from(TILES))
+def test_depthwise_epilogues(data, dtype, n, c, mult, hw, rs, stride, padding, dilation, layout, config):
+    (h, w_), (r, s) = hw, rs
+    assume(min(h + 2 * padding - dilation * (r - 1), w_ + 2 * padding - dilation * (s - 1)) >= 1)
+    tree, roles = data.draw(trees(aux=True))
+    x = with_layout(torch.randn(n, c, h, w_).to(dtype), layout)
+    w = with_layout((torch.randn(c * mult, 1, r, s) / (r * s) ** 0.5).to(dtype), data.draw(
+        st.sampled_from(["contiguous", "channels_last"])))
+    assert is_depthwise(x.shape, w.shape)
+    out_shape = conv_out_shape(x, w, (stride,) * 2, (padding,) * 2, (dilation,) * 2)
+    layouts = data.draw(st.lists(st.integers(0, 2), min_size=len(roles), max_size=len(roles)))
+    operands = [make_operand(role, kind, out_shape, 1, dtype, lay) for (kind, role), lay in zip(roles, layouts)]
+    out_layout = torch.contiguous_format if layout == "contiguous" else torch.channels_last
+    aux = poisoned_aux(tree, torch.empty(out_shape, dtype=dtype).contiguous(memory_format=out_layout))
+    out = depthwise(x, w, (stride,) * 2, (padding,) * 2, (dilation,) * 2, tree, operands, config, out_layout, aux)
+    acc = F.conv2d(x.double(), w.double(), None, stride, padding, dilation, groups=c)
+    assert_close(epi.rows3(out, out.shape, 1), reference(acc, tree, operands, 1), dtype)
+    check_aux(aux, acc, tree, operands, 1, dtype)
+
+
+@pytest.mark.parametrize("config", fast_configs(DepthwiseConfig()))
+def test_every_fast_config_is_correct_on_a_convnext_block(config):
+    """ConvNeXt's 7x7 depthwise conv with its bias, channels_last fp16, on a shape no tile divides."""
+    x = torch.randn(2, 40, 9, 11).half().contiguous(memory_format=torch.channels_last)
+    w = (torch.randn(40, 1, 7, 7) / 7).half().contiguous(memory_format=torch.channels_last)
+    bias = torch.randn(40).half()
+    out = depthwise(x, w, (1, 1), (3, 3), (1, 1), "add(acc,c0)", [bias], config)
+    ref = F.conv2d(x.double(), w.double(), bias.double(), 1, 3, 1, groups=40)
+    assert_close(out, ref, torch.float16)
+
+
+def test_mobilenet_tail_stride2_bn_hardswish():
+    """MobileNetV3's stride-2 5x5 depthwise conv with its folded batch norm and hardswish."""
+    c = 24
+    x = torch.randn(1, c, 13, 13).half().contiguous(memory_format=torch.channels_last)
+    w = (torch.randn(c, 1, 5, 5) / 5).half().contiguous(memory_format=torch.channels_last)
+    mean, var, weight, bias = torch.randn(c), torch.rand(c) + 0.5, torch.randn(c), torch.randn(c)
+    signature = "hardswish(bn[#1e-05](acc,c0,c1,c2,c3))"
+    out = depthwise(x, w, (2, 2), (2, 2), (1, 1), signature, [mean, var, weight, bias])
+    ref = F.hardswish(F.batch_norm(F.conv2d(x.double(), w.double(), None, 2, 2, 1, groups=c), mean.double(),
+                                   var.double(), weight.double(), bias.double(), eps=1e-5))
+    assert_close(out, ref, torch.float16)
+
+
+def test_only_depthwise_grouped_convs_take_the_depthwise_kernel():
+    x = (1, 8, 5, 5)
+    assert is_depthwise(x, (8, 1, 3, 3)) and is_depthwise(x, (16, 1, 3, 3))
+    assert not is_depthwise(x, (8, 2, 3, 3))  # groups=4
+    assert not is_depthwise((1, 1, 5, 5), (4, 1, 3, 3))  # groups=1: the conv kernel's
+    assert not is_depthwise(x, (12, 1, 3, 3))  # 12 outputs from 8 groups is not a conv
+    assert not is_depthwise((1, 8, 5), (8, 1, 3))  # 1-D
+
+
+def test_the_default_passes_its_check_and_wide_convs_keep_every_fast_tile():
+    for k in (2, 8, 24, 96, 960):
+        for n, hw in ((1, 7), (256, 56)):
+            p = ConvProblem(n, k, k, 7, 7, hw, hw, 2, 132)
+            assert default_config(p).check(p)
+            assert all(c.check(p) for c in fast_configs(default_config(p))) == (k >= 64 and hw > 7)
