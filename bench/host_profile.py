@@ -2,10 +2,10 @@
 
   python3 bench/host_profile.py [--model resnet50 mobilenet_v3_large] [--batch 1] --out $OUT
 
-Compiles the model with resfuse (fp16, channels_last), checks it against eager, times resfuse with and without
-cuda_graphs=True beside torch.compile reduce-overhead (CUDA events, median of 50 calls), then runs cProfile
-over 20 uncaptured calls at the first batch size and prints the functions with the most own and cumulative
-time. Full profile in $OUT/host_profile.txt.
+Compiles the model with resfuse (fp16, channels_last), checks it against eager, times resfuse with
+cuda_graphs=False, True and the default beside torch.compile reduce-overhead (CUDA events, median of 50
+calls), then runs cProfile over 20 uncaptured calls at the first batch size and prints the functions with
+the most own and cumulative time. Full profile in $OUT/host_profile.txt.
 """
 import argparse
 import cProfile
@@ -43,6 +43,7 @@ def main():
             peers["reduce-overhead"] = torch.compile(model, mode="reduce-overhead")
             peers["resfuse"] = resfuse.compile(model, cuda_graphs=False)
             peers["resfuse+graphs"] = resfuse.compile(model, cuda_graphs=True)
+            peers["resfuse default"] = resfuse.compile(model)  # inference on CUDA: graphs, as above
             res = {}
             for peer, fn in peers.items():
                 out = fn(x).float()

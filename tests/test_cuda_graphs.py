@@ -117,6 +117,47 @@ def test_compiled_graphs_empty_their_input_list(cuda_graphs):
     assert inputs == [] and seen() is None and torch.equal(out, want)
 
 
+def test_by_default_only_inference_graphs_on_cuda_replay():
+    """cuda_graphs=None: an inference graph on CUDA replays (its copies of the outputs keep eager's semantics);
+    training's graphs, whose outputs would live in the graph's pool, and CPU graphs do not. True and False
+    decide alone."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from resfuse.config import Config
+
+    with FakeTensorMode():
+        gpu = [torch.empty(2, device="cuda"), 3]
+    cpu = [torch.empty(2)]
+    assert Config().cuda_graphs is None
+    assert [Config().graphs(g, gpu) for g in ("inference", "forward", "backward")] == [True, False, False]
+    assert not Config().graphs("inference", cpu)
+    assert all(Config(cuda_graphs=True).graphs(g, cpu) for g in ("inference", "forward", "backward"))
+    assert not any(Config(cuda_graphs=False).graphs(g, gpu) for g in ("inference", "forward", "backward"))
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
+def test_default_compile_replays_inference_and_returns_fresh_outputs(monkeypatch):
+    """resfuse.compile(model) with no options: the inference graph replays through CudaGraphed, and each call's
+    output is its own tensor, untouched by the next call, as in eager."""
+    from resfuse.capture import cuda_graphs
+
+    calls = []
+    real = cuda_graphs.CudaGraphed.__call__
+    monkeypatch.setattr(cuda_graphs.CudaGraphed, "__call__", lambda self, inputs: calls.append(1) or real(self, inputs))
+    torch.manual_seed(0)
+    block = Block().eval().cuda().half().to(memory_format=torch.channels_last)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(block, tuning="none")
+    with torch.no_grad():
+        xs = [torch.randn(2, 8, 9, 7, device="cuda", dtype=torch.half).to(memory_format=torch.channels_last)
+              for _ in range(4)]
+        outs = [compiled(x) for x in xs]
+        for x, out in zip(xs, outs):
+            assert rel(out.float(), block(x).float()) < 5e-3
+    assert len(calls) == 4 and len({o.data_ptr() for o in outs}) == 4
+
+
 @pytest.mark.requires_cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
 def test_replay_matches_eager_on_fresh_inputs():
