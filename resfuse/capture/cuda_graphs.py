@@ -94,9 +94,15 @@ class CudaGraphed:
         cap.static = [a.clone() if i in copied else a for i, a in enumerate(args)]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
+        # Blocks the allocator caches for one stream serve neither another stream nor a graph's private pool:
+        # the first call's blocks, then the side-stream warm-up's, go back to the device before the next step
+        # allocates, or the capture's peak is all three (ResNet-50 bs256: 2.86 GB reserved against eager's 2.14;
+        # bench/inference_memory.py). Once per captured signature, so the cost is a few cudaFree.
+        torch.cuda.empty_cache()
         with torch.cuda.stream(side):
             self.fn(list(cap.static))  # warm-up on a side stream, as torch.cuda.graphs advises
         torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.empty_cache()
         cap.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(cap.graph):
             cap.outputs = self.fn(list(cap.static))
