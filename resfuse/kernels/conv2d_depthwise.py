@@ -45,9 +45,9 @@ def conv2d_depthwise_mainloop(x, w, NB, H, W, C, KO, OH, OW, R, MULT,
                               BM: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
                               S: tl.constexpr, VEC: tl.constexpr, SPLIT_K: tl.constexpr):
     """One program's fp32 [BM, BN] outputs, plus the indices the epilogue needs. The kernel's R rows of taps
-    loop; the S taps of a row unroll (S is constexpr), so a row's loads are in flight together. The input's pixel strides come
-    divided by VEC, the channels' common alignment in elements: Triton knows only 16-divisible arguments, and
-    MobileNet's 72 or 120 channels would otherwise read 2 bytes at a time."""
+    loop; the S taps of a row unroll (S is constexpr), so a row's loads are in flight together. The input's
+    pixel strides come divided by VEC, their common alignment in elements: Triton knows only 16-divisible
+    arguments, and MobileNet's 72 or 120 channels would otherwise read 2 bytes at a time."""
     pid = tl.program_id(0)
     tiles_w = cdiv(OW, BW)
     tiles_hw = cdiv(OH, BH) * tiles_w
