@@ -56,12 +56,6 @@ class Config:
     debug_dump: str | None = None
     "Folder to write the FX graph after each pass as NN-passname.txt (env RESFUSE_DUMP)."
 
-    def graphs(self, graph: str, example_inputs) -> bool:
-        """Does this graph ("inference", "forward" or "backward") replay through CUDA graphs?"""
-        if self.cuda_graphs is not None:
-            return self.cuda_graphs
-        return graph == "inference" and any(getattr(t, "is_cuda", False) for t in example_inputs)
-
     def __post_init__(self):
         if self.remainder not in REMAINDERS:
             raise ValueError(f"remainder={self.remainder!r}: choose from {', '.join(REMAINDERS)}")

@@ -119,21 +119,23 @@ def test_compiled_graphs_empty_their_input_list(cuda_graphs):
 
 
 def test_by_default_only_inference_graphs_on_cuda_replay():
-    """cuda_graphs=None: an inference graph on CUDA replays (its copies of the outputs keep eager's semantics);
+    """cuda_graphs=None (Config's default): an inference graph on CUDA replays (its copies of the outputs keep eager's semantics);
     training's graphs, whose outputs would live in the graph's pool, and CPU graphs do not. True and False
     decide alone."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from resfuse.capture.cuda_graphs import wanted
     from resfuse.config import Config
 
     with FakeTensorMode():
         gpu = [torch.empty(2, device="cuda"), 3]
     cpu = [torch.empty(2)]
-    assert Config().cuda_graphs is None
-    assert [Config().graphs(g, gpu) for g in ("inference", "forward", "backward")] == [True, False, False]
-    assert not Config().graphs("inference", cpu)
-    assert all(Config(cuda_graphs=True).graphs(g, cpu) for g in ("inference", "forward", "backward"))
-    assert not any(Config(cuda_graphs=False).graphs(g, gpu) for g in ("inference", "forward", "backward"))
+    default = Config().cuda_graphs
+    assert default is None
+    assert [wanted(default, g, gpu) for g in ("inference", "forward", "backward")] == [True, False, False]
+    assert not wanted(default, "inference", cpu)
+    assert all(wanted(True, g, cpu) for g in ("inference", "forward", "backward"))
+    assert not any(wanted(False, g, gpu) for g in ("inference", "forward", "backward"))
 
 
 @pytest.mark.requires_cuda

@@ -54,7 +54,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs, *, config: Config, graph: 
         return original
     if not run_graph:
         return original
-    graphed_here = config.graphs(graph, example_inputs)
+    graphed_here = cuda_graphs.wanted(config.cuda_graphs, graph, example_inputs)
     why_not = cuda_graphs.refusal(gm, graph) if graphed_here else None  # before lowering: reads op schemas
     built = build(gm, example_inputs, config, graph, report)
     if not graphed_here:

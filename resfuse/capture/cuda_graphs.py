@@ -1,6 +1,7 @@
 """CUDA-graph replay of compiled graphs (Config.cuda_graphs): small batches and training steps are launch-bound.
 
-Entry points, used by capture/backend.py: `refusal(gm, graph)` (why a graph cannot be replayed, or None) and
+Entry points, used by capture/backend.py: `wanted(cuda_graphs, graph, example_inputs)` (Config.cuda_graphs
+applied to one graph), `refusal(gm, graph)` (why a graph cannot be replayed, or None) and
 `wrap(fn, gm, inputs, graph, refusal, graphed)` (fn: gm built, boxed), which puts an inference graph in
 `CudaGraphed` and training's forward and backward graphs under torch's CUDA graph trees (`graph_tree`).
 
@@ -67,6 +68,10 @@ def _ptrs(args) -> list:
     return [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
 
 
+def on_cuda(values) -> bool:
+    return any(isinstance(v, torch.Tensor) and v.is_cuda for v in values)
+
+
 class CudaGraphed:
     """Boxed, like `fn`: called with a list of inputs, which it empties. One graph per input signature (a
     dynamic batch brings several), at most MAX_SIGNATURES of them; past that the least recently used goes.
@@ -84,9 +89,7 @@ class CudaGraphed:
         """The most recently used signature's graph (None before its second call)."""
         return next(reversed(self.captures.values())).graph if self.captures else None
 
-    @staticmethod
-    def _on_cuda(args) -> bool:
-        return any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+    _on_cuda = staticmethod(on_cuda)  # (tests replace it)
 
     def _capture(self, cap: _Capture, args, ptrs: list) -> None:
         cap.copied = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and ptrs[i] != cap.first_ptrs[i]]
@@ -133,6 +136,15 @@ class CudaGraphed:
             cap.static[i].copy_(args[i])
         cap.graph.replay()
         return type(cap.outputs)(o.clone() if isinstance(o, torch.Tensor) else o for o in cap.outputs)
+
+
+def wanted(cuda_graphs: bool | None, graph: str, example_inputs) -> bool:
+    """Does this graph ("inference", "forward" or "backward") replay through CUDA graphs? Config.cuda_graphs
+    decides, or when None (the default), inference graphs on CUDA do: their replays return copies, as eager
+    does, where training's outputs would live in the graph's pool."""
+    if cuda_graphs is not None:
+        return cuda_graphs
+    return graph == "inference" and on_cuda(example_inputs)
 
 
 def refusal(gm: fx.GraphModule, graph: str) -> str | None:
