@@ -254,3 +254,28 @@ def test_saved_pre_activations_become_aux_outputs_of_the_fused_kernels():
     assert ("conv2d", ("bias", "save", "silu"), "triton") in saved
     assert ("gemm", ("bias", "save", "gelu"), "triton") in saved
     assert PATHS[("conv2d", "silu(aux(add(acc,c0)))", "triton")] == 1
+
+
+class SqueezeExcite(torch.nn.Module):
+    def __init__(self, c: int, squeezed: int):
+        super().__init__()
+        self.reduce, self.expand = torch.nn.Conv2d(c, squeezed, 1), torch.nn.Conv2d(squeezed, c, 1)
+
+    def forward(self, x):
+        s = torch.nn.functional.silu(self.reduce(x.mean((2, 3), keepdim=True)))
+        return x * torch.sigmoid(self.expand(s))
+
+
+def test_squeeze_excitation_convs_of_one_pixel_run_triton_kernels_under_the_interpreter():
+    """EfficientNet's and MobileNet's SE convs: channels_last 1x1-pixel outputs, fused with bias and activation."""
+    torch.manual_seed(3)
+    block = SqueezeExcite(c=20, squeezed=6).eval().to(memory_format=torch.channels_last)
+    x = torch.randn(3, 20, 5, 4).to(memory_format=torch.channels_last)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(block, interpret=True)
+    with torch.no_grad():
+        out, ref = compiled(x), block.double()(x.double())
+    assert rel(out, ref) < 1e-5
+    report = compiled.resfuse_report
+    assert sorted(f.pattern for f in report.fusions) == ["conv2d_bias_sigmoid", "conv2d_bias_silu"]
+    assert {f.ran for f in report.fusions} == {"triton"}

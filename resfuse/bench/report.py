@@ -60,6 +60,17 @@ def table(result: dict) -> Table:
     return t
 
 
+def profile_table(peer: str, rows: list[dict], top: int = 15) -> Table:
+    """A peer's slowest kernels, titled with its launches and kernel time per iteration."""
+    launches, busy = sum(r["calls"] for r in rows), sum(r["time_us"] for r in rows)
+    t = Table(title=f"{peer}: {launches} launches, {busy:.1f} us of kernels per call")
+    for col in ("kernel", "us", "calls", "share"):
+        t.add_column(col, justify="left" if col == "kernel" else "right")
+    for r in rows[:top]:
+        t.add_row(r["name"][:80], f"{r['time_us']:.1f}", str(r["calls"]), f"{r['share']:.0%}")
+    return t
+
+
 def plot(result: dict, path: str | Path) -> None:
     import matplotlib
 

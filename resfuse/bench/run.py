@@ -29,7 +29,8 @@ JSON schema ("schema": "resfuse-bench/1"); every time is the median unless its n
                 (||out - ref|| / ||ref|| vs eager), max_abs_err: float | null,
                 speedup_of_resfuse {resfuse variant: this peer's latency / the variant's latency},
                 paths {path: calls} (resfuse peers only: which implementation ran, e.g. triton, reference)}}
-  profile {peer: list[{name str, time_us float (per iteration), calls int, share float}]}  (with --profile)
+  profile {peer: list[{name str, time_us float (per iteration), calls int, share float}]}  (with --profile: every
+          kernel, slowest first; the calls add up to the launches per iteration)
   notes list[str]
 """
 from __future__ import annotations
@@ -67,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="write the result as JSON (schema in run.py)")
     parser.add_argument("--plot", metavar="FILE.png", help="bar chart of latencies with the floor")
     parser.add_argument("--profile", action="store_true",
-                        help="torch.profiler top kernels for eager, torch.compile and resfuse")
+                        help="torch.profiler's kernels for eager, torch.compile and resfuse: the top ones printed, all in the JSON")
     parser.add_argument("--iters", type=int, default=None, help="timed calls per peer (default 100 CUDA, 5 CPU)")
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--seq", type=int, default=384, help="sequence length of text models")
@@ -142,6 +143,8 @@ def benchmark(args: argparse.Namespace) -> dict:
         result["peers"][name] = _measure(name, model, sets, refs, device, iters, args, result)
         _free(device)
     _speedups(result)
+    for name, rows in result["profile"].items():
+        console.print(report.profile_table(name, rows))
     console.print(report.table(result))
     if args.json:
         report.write_json(result, args.json)
@@ -185,7 +188,7 @@ def _measure(name, model, sets, refs, device, iters, args, result) -> dict:
         rel, absolute = timing.output_error(outs, refs)
         lat = timing.latency(fn, sets, device, iters)
         if args.profile and name in PROFILED:
-            result["profile"][name] = timing.top_kernels(fn, sets, device)
+            result["profile"][name] = timing.kernels(fn, sets, device)
     except Exception as e:  # a peer that fails to compile or run is a result, not the end of the run
         traceback.print_exc(file=sys.stderr)
         first_line = (str(e).strip().splitlines() or [""])[0]

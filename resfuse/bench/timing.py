@@ -1,7 +1,7 @@
 """How one peer is measured: first-call time, steady-state latency, numerics against eager, top kernels.
 
 Entry points (all called by run.py for each peer, in this order): `input_sets`, `first_call`,
-`output_error`, `latency`, and with --profile `top_kernels`.
+`output_error`, `latency`, and with --profile `kernels`.
 
 Latency on CUDA is timed with CUDA events around each call, after a warm-up, as the median of many calls;
 the inputs rotate among several preallocated sets so that no call finds its input already in L2 from the
@@ -125,9 +125,9 @@ def _cuda_event_times(fn: Callable, sets: list[tuple], iters: int) -> list[float
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
-def top_kernels(fn: Callable, sets: list[tuple], device: torch.device, iters: int = 5,
-                top: int = 10) -> list[dict]:
-    """The `top` kernels (CUDA) or ATen ops (CPU) by self time under torch.profiler, per iteration."""
+def kernels(fn: Callable, sets: list[tuple], device: torch.device, iters: int = 5) -> list[dict]:
+    """Every kernel (CUDA) or ATen op (CPU) by self time under torch.profiler, per iteration, slowest first.
+    Their calls add up to the launches per iteration, their times to the device's busy time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -148,4 +148,4 @@ def top_kernels(fn: Callable, sets: list[tuple], device: torch.device, iters: in
     total = sum(r["time_us"] for r in rows) or 1.0
     for r in rows:
         r["share"] = r["time_us"] / total
-    return rows[:top]
+    return rows

@@ -152,7 +152,7 @@ def _step(g: Group, node: fx.Node, ctx) -> tuple | str | None:
         else:
             return f"{name} with operand {other!r} not supported"
         return epi.Op(name, (g.tree, leaf) if chain_first else (leaf, g.tree)), None, ()
-    if t == aten.clone.default and legality.val(node).stride() == g.out_val.stride():
+    if t == aten.clone.default and legality.same_strides(legality.val(node), g.out_val):
         return g.tree, None, ()  # eval-mode dropout: a copy that keeps the values and the layout
     if t in VIEWS and g.anchor == "gemm":
         shape = list(legality.val(node).shape)

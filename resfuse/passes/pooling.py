@@ -79,7 +79,7 @@ def _refusal(x: fx.Node) -> str | None:
 
 
 def _same_layout(fake: torch.Tensor, want: torch.Tensor | None) -> bool:
-    return want is not None and tuple(fake.stride()) == tuple(want.stride()) and fake.dtype == want.dtype
+    return want is not None and legality.same_strides(fake, want) and fake.dtype == want.dtype
 
 
 def _forward(node: fx.Node) -> str | None:

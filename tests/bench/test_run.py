@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from resfuse.bench import run
+from resfuse.bench import report, run
 
 MODEL = textwrap.dedent("""
     import torch
@@ -97,3 +97,13 @@ def test_peer_list():
     assert run._peer_list("", cuda=True, cuda_graphs=False) == ["eager", "resfuse"]
     with pytest.raises(SystemExit, match="unknown peer"):
         run._peer_list("eager,fast", cuda=False, cuda_graphs=None)
+
+
+def test_profile_lists_every_kernel(bench):
+    _, result = bench
+    rows = result["profile"]["resfuse"]
+    assert sum(r["share"] for r in rows) == pytest.approx(1.0)  # all of them, not a top few
+    assert [r["time_us"] for r in rows] == sorted((r["time_us"] for r in rows), reverse=True)
+    table = report.profile_table("resfuse", rows, top=2)
+    assert table.title.startswith(f"resfuse: {sum(r['calls'] for r in rows)} launches")
+    assert table.row_count == min(2, len(rows))

@@ -112,3 +112,27 @@ def test_grouped_convs_fuse_and_1d_convs_are_reported():
     x1, w1 = torch.randn(2, 4, 9), torch.randn(4, 4, 3)
     gm, report = run(lambda x, w: torch.relu(F.conv1d(x, w)), x1, w1)
     assert fused_patterns(report) == [] and "2-D only" in reasons(report)
+
+
+def test_one_pixel_outputs_fuse_whatever_their_size_one_strides():
+    """A squeeze-excitation block's convs see 1x1 pixels. In channels_last the graph says the output's strides
+    are (C, 1, C, C) and our op makes (C, 1, 1, 1): the same layout, since a dim of size 1 has none."""
+    x = torch.randn(2, 12, 5, 7).to(memory_format=torch.channels_last)
+    w1, b1 = conv_w(12, 4, k=1).to(memory_format=torch.channels_last), torch.randn(4)
+    w2, b2 = conv_w(4, 12, k=1).to(memory_format=torch.channels_last), torch.randn(12)
+
+    def fn(x, w1, b1, w2, b2):
+        s = F.silu(F.conv2d(x.mean((2, 3), keepdim=True), w1, b1))
+        return x * torch.sigmoid(F.conv2d(s, w2, b2))
+
+    gm, report = run(fn, x, w1, b1, w2, b2)
+    assert fused_patterns(report) == ["conv2d_bias_sigmoid", "conv2d_bias_silu"]
+    assert "strides" not in reasons(report)
+    assert rel(gm(x, w1, b1, w2, b2), fn(x, w1, b1, w2, b2)) < 1e-5
+
+
+def test_same_strides_ignores_size_one_dims_only():
+    t = torch.empty(2, 8, 1, 1)
+    assert legality.same_strides(t, torch.empty(2, 8, 1, 1).to(memory_format=torch.channels_last))
+    assert not legality.same_strides(torch.empty(2, 8, 3, 1), torch.empty(2, 8, 3, 1).to(memory_format=torch.channels_last))
+    assert not legality.same_strides(t, torch.empty(2, 8, 1, 2))
