@@ -99,6 +99,35 @@ def test_each_input_signature_keeps_its_graph(monkeypatch):
     assert torch.equal(wrapped([x3, w2])[0], x3 * w2) and _FakeGraph.made == 3
 
 
+def test_a_replay_checks_addresses_and_scalars_not_only_objects(monkeypatch):
+    """The fast path compares input objects, then addresses: a parameter whose storage was swapped under the
+    same object (`p.data = ...`) captures again and reads the new values; a scalar input (a dynamic size)
+    that changed is not replayed with the old one's graph (fake CUDA graphs)."""
+    _fake_cuda(monkeypatch)
+
+    def fn(args):
+        x, w, k = args
+        out = x * w * k
+        if _FakeGraph.capturing is not None:
+            _FakeGraph.capturing.work = lambda: out.copy_(x * w * k)
+        return [out]
+
+    class OnCuda(CudaGraphed):
+        @staticmethod
+        def _on_cuda(args):
+            return True
+
+    wrapped, w = OnCuda(fn), torch.nn.Parameter(torch.randn(4), requires_grad=False)
+    xs = [torch.randn(2, 4) for _ in range(6)]  # kept alive: no address is reused for another input
+    for x in xs[:3]:
+        assert torch.equal(wrapped([x, w, 2])[0], x * w * 2)
+    assert _FakeGraph.made == 1
+    w.data = torch.randn(4)  # same object, new storage
+    assert torch.equal(wrapped([xs[3], w, 2])[0], xs[3] * w * 2) and _FakeGraph.made == 2
+    assert torch.equal(wrapped([xs[4], w, 3])[0], xs[4] * w * 3)  # another scalar: another signature
+    assert torch.equal(wrapped([xs[5], w, 2])[0], xs[5] * w * 2)
+
+
 @pytest.mark.parametrize("cuda_graphs", [False, True])
 def test_compiled_graphs_empty_their_input_list(cuda_graphs):
     """aot_autograd hands a backward graph the saved activations in a list; unless the graph empties it, they

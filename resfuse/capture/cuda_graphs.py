@@ -26,13 +26,17 @@ class _Capture:
     def __init__(self):
         self.first_ptrs, self.graph, self.outputs = None, None, None
         self.static, self.copied = [], []
-        self.fixed_ptrs, self.fixed_ids, self.not_fixed, self.copied_sig = None, None, [], ()  # see replays()
+        self.fixed_ptrs, self.fixed_idx, self.fixed_ids = None, [], None  # see replays()
+        self.not_fixed, self.scalar_idx, self.scalars, self.copied_sig = [], [], [], ()
 
     def remember(self, args: tuple, ptrs: list) -> None:
         """What moved() and replays() compare: the inputs read in place (their addresses and objects; the
-        others masked out) and the copied inputs' signature."""
-        self.not_fixed = [*self.copied, *(i for i, a in enumerate(args) if not isinstance(a, torch.Tensor))]
+        others masked out), the non-tensor inputs' values and the copied inputs' signature."""
+        self.scalar_idx = [i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)]
+        self.scalars = [args[i] for i in self.scalar_idx]
+        self.not_fixed = [*self.copied, *self.scalar_idx]
         self.fixed_ptrs = _masked(ptrs, self.copied)
+        self.fixed_idx = sorted(set(range(len(args))) - set(self.not_fixed))
         self.fixed_ids = _masked(list(map(id, args)), self.not_fixed)
         self.copied_sig = _signature([args[i] for i in self.copied])
 
@@ -41,15 +45,26 @@ class _Capture:
         signature is this graph's."""
         return _masked(ptrs, self.copied) != self.fixed_ptrs
 
-    def replays(self, args: tuple, ptrs: list) -> bool:
+    def replays(self, args: tuple) -> bool:
         """Can this graph replay `args` without their whole signature being hashed? Each input it reads in
         place must be the same tensor object at the same address as at capture (a new view of that buffer at
-        another size is another object), and the inputs it copies must have its shapes, strides and dtypes. A
-        model's hundreds of parameters make this the host's cost per call: whole-list comparisons, no Python
-        loop over the inputs."""
-        return (self.fixed_ptrs is not None and len(ptrs) == len(self.fixed_ptrs) and not self.moved(ptrs)
+        another size is another object), the non-tensor inputs the same values, and the inputs it copies must
+        have its shapes, strides and dtypes. A model's hundreds of parameters make this the host's cost per
+        call at batch 1: whole-list comparisons and torch's C++ address check, no Python loop over the inputs."""
+        return (self.fixed_ptrs is not None and len(args) == len(self.fixed_ptrs)
                 and _masked(list(map(id, args)), self.not_fixed) == self.fixed_ids
+                and [args[i] for i in self.scalar_idx] == self.scalars
+                and _same_addresses(args, self.fixed_ptrs, self.fixed_idx)
                 and _signature([args[i] for i in self.copied]) == self.copied_sig)
+
+
+def _same_addresses(args: tuple, ptrs: list, idx: list) -> bool:
+    """args[i].data_ptr() == ptrs[i] for each i in idx: in C++ where torch has it (its CUDA builds; CUDA graph
+    trees check their static inputs with it), else in Python."""
+    check = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+    if check is not None:
+        return check(list(args), ptrs, idx)
+    return all(args[i].data_ptr() == ptrs[i] for i in idx)
 
 
 def _masked(values: list, masked) -> list:
@@ -116,9 +131,9 @@ class CudaGraphed:
         inputs.clear()
         if not self._on_cuda(args):
             return self.fn(list(args))
-        ptrs = _ptrs(args)
         cap = self.last
-        if cap is None or cap.graph is None or not cap.replays(args, ptrs):
+        if cap is None or cap.graph is None or not cap.replays(args):
+            ptrs = _ptrs(args)
             signature = _signature(args)
             cap = self.captures.pop(signature, None) or _Capture()
             self.captures[signature] = cap  # now the most recently used

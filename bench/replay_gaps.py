@@ -1,0 +1,127 @@
+"""Where a CUDA-graph replay's time goes when it is not in kernels (GPU machine).
+
+  python3 bench/replay_gaps.py [--model mobilenet_v3_large efficientnet_b0] [--batch 1] --out $OUT
+
+For each model (fp16, channels_last, eval): resfuse's default (inference graphs replayed) and torch.compile
+reduce-overhead. Per peer it prints the CUDA-event latency (the harness's timer), the host's time per call
+when nothing waits for the GPU, and from a torch.profiler trace of 5 calls: the GPU's busy time per call and
+the longest idle gaps between its kernels, with the kernels either side. Traces go to $OUT.
+"""
+import argparse
+import cProfile
+import gc
+import gzip
+import io
+import pstats
+import json
+import os
+import shutil
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import resfuse  # noqa: E402
+from resfuse.bench import models, timing  # noqa: E402
+
+
+def host_us(fn, x, calls=50) -> float:
+    """Median host time of one call, the GPU idle when it starts (a sync before each call, outside the
+    timing): a deep launch queue would otherwise block the host on the GPU and time the GPU instead."""
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2] * 1e6
+
+
+def replay_us(calls=50) -> list[float]:
+    """Host time of CUDAGraph.replay() alone, per graph resfuse captured (found among live objects)."""
+    from resfuse.capture.cuda_graphs import CudaGraphed
+
+    result = []
+    for graphed in (o for o in gc.get_objects() if isinstance(o, CudaGraphed)):
+        for cap in graphed.captures.values():
+            if cap.graph is not None:
+                result.append(host_us(lambda _: cap.graph.replay(), None, calls))
+    return result
+
+
+def host_profile(fn, x, calls=50, top=14) -> str:
+    """cProfile over `calls` calls: the functions with the most own time."""
+    prof = cProfile.Profile()
+    with torch.no_grad():
+        prof.enable()
+        for _ in range(calls):
+            fn(x)
+        prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
+def gaps(trace_path: str, calls: int, top: int = 12) -> tuple[float, float, list]:
+    """(busy us per call, span us per call, the longest idle gaps) from a chrome trace's GPU events."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
+                 key=lambda e: e["ts"])
+    busy = sum(e["dur"] for e in gpu)
+    span = gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"] if gpu else 0.0
+    holes = [(b["ts"] - (a["ts"] + a["dur"]), a["name"][:60], b["name"][:60]) for a, b in zip(gpu, gpu[1:])]
+    holes.sort(reverse=True)
+    return busy / calls, span / calls, holes[:top]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", nargs="+", default=["mobilenet_v3_large", "efficientnet_b0"])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    torch.backends.cudnn.benchmark = True
+    rows = []
+    for name in args.model:
+        model, (x,) = models.load(name, args.batch, torch.float16, "cuda")
+        with torch.no_grad():
+            ref = model(x).float()
+        for peer in ("reduce-overhead", "resfuse"):
+            torch._dynamo.reset()
+            fn = torch.compile(model, mode=peer) if peer == "reduce-overhead" else resfuse.compile(model)
+            with torch.no_grad():
+                for _ in range(3):
+                    out = fn(x)
+                err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+                lat = timing.latency(fn, [(x,)], x.device, 50, warmup=5).median_ms * 1e3
+                host = host_us(fn, x)
+                path = os.path.join(args.out, f"trace_{name}_bs{args.batch}_{peer}.json")
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                        torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    for _ in range(5):
+                        fn(x)
+                    torch.cuda.synchronize()
+            prof.export_chrome_trace(path)
+            busy, span, holes = gaps(path, 5)
+            with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.remove(path)
+            rows.append((name, peer, lat, host, busy, span, err))
+            print(f"\n{name} bs{args.batch} {peer}: latency {lat:.1f} us, host {host:.1f} us/call, GPU busy "
+                  f"{busy:.1f} us/call over a span of {span:.1f} us/call, rel err {err:.1e}; longest gaps:")
+            for us, before, after in holes:
+                print(f"  {us:8.1f} us  after {before}  before {after}")
+            if peer == "resfuse":
+                print("CUDAGraph.replay() alone, host us per call:", [round(u, 1) for u in replay_us()])
+            print(host_profile(fn, x))
+    print(f"\n{'model':<22}{'peer':<17}{'latency us':>11}{'host us':>9}{'busy us':>9}{'span us':>9}")
+    for name, peer, lat, host, busy, span, _ in rows:
+        print(f"{name:<22}{peer:<17}{lat:>11.1f}{host:>9.1f}{busy:>9.1f}{span:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()
