@@ -39,15 +39,17 @@ def host_us(fn, x, calls=50) -> float:
     return sorted(times)[len(times) // 2] * 1e6
 
 
-def replay_us(calls=50) -> list[float]:
-    """Host time of CUDAGraph.replay() alone, per graph resfuse captured (found among live objects)."""
+def replay_us(calls=50) -> list[tuple[float, float]]:
+    """Host time of CUDAGraph.replay() alone, and of CudaGraphed's whole call (its input check, the copy, the
+    replay, the outputs' copies), per graph resfuse captured (found among live objects)."""
     from resfuse.capture.cuda_graphs import CudaGraphed
 
     result = []
     for graphed in (o for o in gc.get_objects() if isinstance(o, CudaGraphed)):
         for cap in graphed.captures.values():
             if cap.graph is not None:
-                result.append(host_us(lambda _: cap.graph.replay(), None, calls))
+                result.append((round(host_us(lambda _: cap.graph.replay(), None, calls), 1),
+                               round(host_us(lambda _: graphed(list(cap.static)), None, calls), 1)))
     return result
 
 
@@ -116,7 +118,11 @@ def main():
             for us, before, after in holes:
                 print(f"  {us:8.1f} us  after {before}  before {after}")
             if peer == "resfuse":
-                print("CUDAGraph.replay() alone, host us per call:", [round(u, 1) for u in replay_us()])
+                print("host us per call of (CUDAGraph.replay() alone, CudaGraphed's call):", replay_us())
+                gc.disable()
+                with torch.no_grad():
+                    print(f"host us per call without Python's garbage collector: {host_us(fn, x):.1f}")
+                gc.enable()
             print(host_profile(fn, x))
     print(f"\n{'model':<22}{'peer':<17}{'latency us':>11}{'host us':>9}{'busy us':>9}{'span us':>9}")
     for name, peer, lat, host, busy, span, _ in rows:

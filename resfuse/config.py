@@ -37,7 +37,8 @@ class Config:
     tuning: str = "fast"
     "Tuning level on CUDA: none (heuristic config), fast (a pruned space), max (exhaustive; slow)."
     tuning_budget_s: float = 60.0
-    "Wall-clock seconds a process may spend tuning; past it, untuned shapes run the heuristic config."
+    ("Wall-clock seconds a compile may spend tuning; past it, an untuned shape runs cuDNN/cuBLAS and our epilogue "
+     "kernel (two launches), and a later compile tunes it.")
     retune: bool = False
     "Measure again and replace cached tuning entries (force-retune)."
     interpret: bool = False
