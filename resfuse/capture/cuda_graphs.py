@@ -39,7 +39,7 @@ class _Capture:
         self.not_fixed = [*self.copied, *self.scalar_idx]
         self.fixed_ptrs = _masked(ptrs, self.copied)
         self.fixed_idx = sorted(set(range(len(args))) - set(self.not_fixed))
-        self.fixed_objs = _masked(list(args), self.not_fixed)
+        self.fixed_objs = _masked(args, self.not_fixed)
         self.copied_sig = _signature([args[i] for i in self.copied])
 
     def moved(self, ptrs: list) -> bool:
@@ -56,7 +56,7 @@ class _Capture:
         loop over the inputs. (Comparing lists of the inputs' ids instead cost 106 us a call for MobileNetV3's 267
         inputs on the H100 machine's host, a third of a bs1 call; bench/replay_gaps.py.)"""
         return (self.fixed_ptrs is not None and len(args) == len(self.fixed_ptrs)
-                and all(map(operator.is_, _masked(list(args), self.not_fixed), self.fixed_objs))
+                and all(map(operator.is_, _masked(args, self.not_fixed), self.fixed_objs))
                 and [args[i] for i in self.scalar_idx] == self.scalars
                 and _same_addresses(args, self.fixed_ptrs, self.fixed_idx)
                 and _signature([args[i] for i in self.copied]) == self.copied_sig)
@@ -71,8 +71,9 @@ def _same_addresses(args: tuple, ptrs: list, idx: list) -> bool:
     return all(args[i].data_ptr() == ptrs[i] for i in idx)
 
 
-def _masked(values: list, masked) -> list:
-    values = values.copy()
+def _masked(values, masked) -> list:
+    """A list copy of `values` (a list or a tuple) with None at the indices `masked`."""
+    values = list(values)
     for i in masked:
         values[i] = None
     return values
