@@ -40,23 +40,10 @@ def host_us(fn, x, calls=50) -> float:
     return sorted(times)[len(times) // 2] * 1e6
 
 
-def replay_us(calls=50) -> list[tuple[float, float]]:
-    """Host time of CUDAGraph.replay() alone, and of CudaGraphed's whole call (its input check, the copy, the
-    replay, the outputs' copies), per graph resfuse captured (found among live objects)."""
-    from resfuse.capture.cuda_graphs import CudaGraphed
-
-    result = []
-    for graphed in (o for o in gc.get_objects() if isinstance(o, CudaGraphed)):
-        for cap in graphed.captures.values():
-            if cap.graph is not None:
-                result.append((round(host_us(lambda _: cap.graph.replay(), None, calls), 1),
-                               round(host_us(lambda _: graphed(list(cap.static)), None, calls), 1)))
-    return result
-
-
 def step_us(calls=50) -> dict:
-    """Median host us of each step of CudaGraphed's replay path, on the first graph found: the input check,
-    the input copies, the replay, the outputs' copies (each started on an idle GPU)."""
+    """Median host us of CudaGraphed's whole replaying call, and of each of its steps, on the first graph found
+    among live objects: the input check (and its parts), the input copies, the replay, the outputs' copies
+    (each started on an idle GPU)."""
     from resfuse.capture import cuda_graphs
     from resfuse.capture.cuda_graphs import CudaGraphed, _masked, _same_addresses, _signature
 
@@ -65,12 +52,13 @@ def step_us(calls=50) -> dict:
     args = tuple(cap.static)
     print("replays:", cap.replays(args), "C++ address check:",
           getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None) is not None, cuda_graphs.__file__)
-    steps = {"check": lambda: cap.replays(args),
+    steps = {"whole call": lambda: graphed(list(args)), "check": lambda: cap.replays(args),
              "check: ids, as before": lambda: _masked(list(map(id, args)), cap.not_fixed) == list(map(id, cap.fixed_objs)),
-             "check: objects": lambda: all(map(operator.is_, _masked(list(args), cap.not_fixed), cap.fixed_objs)),
+             "check: objects": lambda: all(map(operator.is_, _masked(args, cap.not_fixed), cap.fixed_objs)),
              "check: addresses": lambda: _same_addresses(args, cap.fixed_ptrs, cap.fixed_idx),
              "check: addresses, Python": lambda: all(args[i].data_ptr() == cap.fixed_ptrs[i] for i in cap.fixed_idx),
-             "check: copied signature": lambda: _signature([args[i] for i in cap.copied]), "copy in": lambda: [cap.static[i].copy_(args[i]) for i in cap.copied],
+             "check: copied signature": lambda: _signature([args[i] for i in cap.copied]),
+             "copy in": lambda: [cap.static[i].copy_(args[i]) for i in cap.copied],
              "replay": cap.graph.replay, "copy out": lambda: [o.clone() for o in cap.outputs]}
     return {name: round(host_us(lambda _: step(), None, calls), 1) for name, step in steps.items()} | {
         "inputs": len(args), "outputs": len(cap.outputs)}
@@ -141,7 +129,6 @@ def main():
             for us, before, after in holes:
                 print(f"  {us:8.1f} us  after {before}  before {after}")
             if peer == "resfuse":
-                print("host us per call of (CUDAGraph.replay() alone, CudaGraphed's call):", replay_us())
                 print("host us per step of CudaGraphed's call:", step_us())
                 gc.disable()
                 with torch.no_grad():
