@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .codegen import Family
-from .matmul import split_k_heuristic, tiles_fit
+from .matmul import persistent_ok, split_k_heuristic, tiles_fit
 from .tiles import cdiv, k_range, mma, swizzle_tile, tile_offsets
 
 
@@ -183,16 +183,18 @@ class ConvConfig:
     #                    accepts it, else conv2d_tma_mainloop where launch.conv_tma_operands does; else ignored
 
     ws: bool = False  # warp-specialise a TMA mainloop's loop (ignored without tma)
+    persistent: int = 0  # > 0: a 1x1 conv as a persistent GEMM (matmul.PERSISTENT_FAMILY), this many programs an SM;
+    #                      ignored where the conv is no plain GEMM
 
     def check(self, p: ConvProblem) -> bool:
         return (tiles_fit(self, p.dtype_bytes) and not (self.tma and (self.flat or self.block_k * p.dtype_bytes < 16))
-                and not (self.ws and not self.tma))
+                and not (self.ws and not self.tma) and persistent_ok(self) and not (self.persistent and p.r * p.s > 1))
 
 
 SPACE = {  # the tuner (tuning/space.py) enumerates this product and keeps the configs that pass check()
     "block_m": (32, 64, 128, 256), "block_n": (32, 64, 128, 256), "block_k": (16, 32, 64),
     "group_m": (8,), "split_k": (1, 2, 4, 8), "flat": (False, True), "num_warps": (4, 8), "num_stages": (2, 3, 4),
-    "tma": (False, True), "ws": (False, True),
+    "tma": (False, True), "ws": (False, True), "persistent": (0, 1, 2),
 }
 
 

@@ -25,7 +25,7 @@ from .conv2d_fprop import FAMILY as CONV_FAMILY, TMA_FAMILY as CONV_TMA_FAMILY, 
 from .conv2d_fprop import default_config as conv_config
 from .conv2d_depthwise import FAMILY as DEPTHWISE_FAMILY, DepthwiseConfig, is_depthwise, pixel_alignment
 from .conv2d_depthwise import default_config as depthwise_config
-from .matmul import FAMILY as GEMM_FAMILY, TMA_FAMILY as GEMM_TMA_FAMILY, GemmConfig, GemmProblem
+from .matmul import FAMILY as GEMM_FAMILY, PERSISTENT_FAMILY, TMA_FAMILY as GEMM_TMA_FAMILY, GemmConfig, GemmProblem
 from .matmul import default_config as gemm_config
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -207,10 +207,14 @@ def _tma_plan(as_matrices, inputs, operands, signature, out, channel_dim, cfg, s
 
     rps, s_os, s_om, s_on = out_view
     meta = dict(BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, SPLIT_K=split, B_KN=b_kn,
-                PRECISION=_precision(a.dtype), WS=cfg.ws, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                PRECISION=_precision(a.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    strides = operand_strides(signature, operands, out.shape, channel_dim)
+    if cfg.persistent and split == 1:
+        programs = min(tiles_mn, cfg.persistent * sm_count(a.device))
+        return Plan(codegen.load(PERSISTENT_FAMILY, signature), (programs, 1, 1),
+                    [m, n, k, rps, s_os, s_om, tiles_mn, s_on], strides, meta, (tiles_mn, 1, bm, bn), descriptors)
     return Plan(codegen.load(GEMM_TMA_FAMILY, signature), (tiles_mn, 1, split), [m, n, k, rps, s_os, s_om, s_on],
-                operand_strides(signature, operands, out.shape, channel_dim), meta, (tiles_mn, split, bm, bn),
-                descriptors)
+                strides, dict(meta, WS=cfg.ws), (tiles_mn, split, bm, bn), descriptors)
 
 
 def conv_as_gemm(x: torch.Tensor, w: torch.Tensor, stride, padding, out_strides):

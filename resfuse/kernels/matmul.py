@@ -2,9 +2,9 @@
 
 (Named matmul.py, not gemm.py: a submodule `kernels.gemm` would replace the entry-point function of that name.)
 
-Entry points: `gemm_mainloop` and `gemm_tma_mainloop` (@triton.jit, called by the generated kernels, see
-codegen.py), `FAMILY` and `TMA_FAMILY` (what codegen needs to wrap them), `GemmConfig` (the typed tuning
-space) and `default_config(problem)`.
+Entry points: `gemm_mainloop`, `gemm_tma_mainloop` and `gemm_tma_persistent_mainloop` (@triton.jit, called
+by the generated kernels, see codegen.py), `FAMILY`, `TMA_FAMILY` and `PERSISTENT_FAMILY` (what codegen needs
+to wrap them), `GemmConfig` (the typed tuning space) and `default_config(problem)`.
 A and B may have any strides (row or column major, batch stride 0 for a shared operand). fp32 operands use
 tf32 tensor-core products on the GPU (PRECISION="tf32", Triton's default; pass "ieee" for exact fp32); under
 the interpreter the product is exact fp32 either way.
@@ -73,8 +73,24 @@ def gemm_tma_mainloop(a_desc, b_desc, M, N, K, RPS, s_os, s_om,
     no per-element address math, and boxes past an edge read as zeros, so no M, N or K masks. B is [K, N]
     (B_KN) or, for a linear layer's transposed weight, the [N, K] matrix it is a view of. WS: Triton's warp
     specialisation of the loop (producer warps issue the copies, consumer warps the MMAs)."""
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(2)
+    return gemm_tma_tile(tl.program_id(0), tl.program_id(2), a_desc, b_desc, M, N, K, RPS, s_os, s_om,
+                         BM, BN, BK, GROUP_M, SPLIT_K, B_KN, PRECISION, WS)
+
+
+@triton.jit
+def gemm_tma_persistent_mainloop(tile_id, a_desc, b_desc, M, N, K, RPS, s_os, s_om, TILES,
+                                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                                 SPLIT_K: tl.constexpr, B_KN: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of gemm_tma_mainloop for a persistent kernel, which walks TILES tiles (codegen's loop): the
+    whole reduction, no split."""
+    return gemm_tma_tile(tile_id, 0, a_desc, b_desc, M, N, K, RPS, s_os, s_om,
+                         BM, BN, BK, GROUP_M, 1, B_KN, PRECISION, False)
+
+
+@triton.jit
+def gemm_tma_tile(pid, pid_k, a_desc, b_desc, M, N, K, RPS, s_os, s_om,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                  SPLIT_K: tl.constexpr, B_KN: tl.constexpr, PRECISION: tl.constexpr, WS: tl.constexpr):
     tile_m, tile_n = swizzle_tile(pid, cdiv(M, BM), cdiv(N, BN), GROUP_M)
     lo, hi = k_range(pid_k, cdiv(K, BK), SPLIT_K)
     acc = tl.full((BM, BN), 0.0, dtype=tl.float32)
@@ -97,6 +113,13 @@ TMA_FAMILY = Family(
     args=("a_desc", "b_desc", "M", "N", "K", "RPS", "s_os", "s_om"),
     constexprs=("BM", "BN", "BK", "GROUP_M", "SPLIT_K", "B_KN", "PRECISION", "WS"),
     n_cols="N", s_out_c="s_on",
+)
+
+PERSISTENT_FAMILY = Family(
+    name="gemm_tma_persistent", module=__name__, mainloop="gemm_tma_persistent_mainloop",
+    args=("a_desc", "b_desc", "M", "N", "K", "RPS", "s_os", "s_om", "TILES"),
+    constexprs=("BM", "BN", "BK", "GROUP_M", "SPLIT_K", "B_KN", "PRECISION"),
+    n_cols="N", s_out_c="s_on", loop="TILES",
 )
 
 
@@ -122,9 +145,17 @@ class GemmConfig:
     num_stages: int = 3
     tma: bool = False  # gemm_tma_mainloop; only where launch.tma_operands accepts the operands
     ws: bool = False  # warp-specialise the TMA mainloop's loop (ignored without tma)
+    persistent: int = 0  # > 0: PERSISTENT_FAMILY with this many programs an SM, each walking tiles (needs tma)
 
     def check(self, p: GemmProblem) -> bool:
-        return tiles_fit(self, p.dtype_bytes) and not (self.tma and p.batch > 1) and not (self.ws and not self.tma)
+        return (tiles_fit(self, p.dtype_bytes) and not (self.tma and p.batch > 1) and not (self.ws and not self.tma)
+                and persistent_ok(self))
+
+
+def persistent_ok(cfg) -> bool:
+    """A persistent config runs the TMA tile with the whole reduction: it needs tma, and no split or warp
+    specialisation. Shared by both families (a 1x1 conv runs as a GEMM)."""
+    return cfg.persistent == 0 or (cfg.tma and cfg.split_k == 1 and not cfg.ws)
 
 
 def tiles_fit(cfg, dtype_bytes: int) -> bool:
@@ -137,7 +168,8 @@ def tiles_fit(cfg, dtype_bytes: int) -> bool:
 
 SPACE = {  # the tuner (tuning/space.py) enumerates this product and keeps the configs that pass check()
     "block_m": (32, 64, 128, 256), "block_n": (32, 64, 128, 256), "block_k": (32, 64, 128),
-    "group_m": (8,), "split_k": (1, 2, 4, 8), "num_warps": (4, 8), "num_stages": (2, 3, 4, 5), "tma": (False, True), "ws": (False, True),
+    "group_m": (8,), "split_k": (1, 2, 4, 8), "num_warps": (4, 8), "num_stages": (2, 3, 4, 5), "tma": (False, True),
+    "ws": (False, True), "persistent": (0, 1, 2),
 }
 
 

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from hypothesis import assume, given, settings, strategies as st
 
 from resfuse import epilogue as epi
-from resfuse.kernels import launch
+from resfuse.kernels import codegen, launch
 from resfuse.ops.fused import conv_out_shape
 
 from .epilogues import (assert_close, check_aux, forced_split, make_operand, poisoned_aux, reference, trees,
@@ -85,10 +85,11 @@ def test_conv2d_rejects_groups():
 @given(data=st.data(), dtype=st.sampled_from(DTYPES), n=st.integers(1, 3), c8=st.integers(1, 5),
        k=st.integers(1, 40), hw=st.tuples(st.integers(1, 9), st.integers(1, 9)),
        out_layout=st.sampled_from([torch.channels_last, torch.contiguous_format]), split=st.sampled_from([1, 2, 3]),
-       tile=st.sampled_from([(16, 16, 16), (32, 16, 32), (16, 32, 16)]))
-def test_1x1_conv_on_the_tma_mainloop(data, dtype, n, c8, k, hw, out_layout, split, tile):
+       tile=st.sampled_from([(16, 16, 16), (32, 16, 32), (16, 32, 16)]), persistent=st.sampled_from([0, 1, 2]))
+def test_1x1_conv_on_the_tma_mainloop(data, dtype, n, c8, k, hw, out_layout, split, tile, persistent):
     """A 1x1 stride-1 conv on a channels_last input is the GEMM [N*H*W, C] @ [C, K]; with tma=True it runs the
-    TMA-descriptor mainloop, epilogue rows indexed per sample, into either output layout."""
+    TMA-descriptor mainloop, epilogue rows indexed per sample, into either output layout; persistent > 0, the
+    persistent GEMM kernel, whose programs walk the tiles."""
     c = 8 * c8  # 16-byte rows for every dtype
     tree, roles = data.draw(trees())
     x = torch.randn(n, c, *hw).to(dtype).contiguous(memory_format=torch.channels_last)
@@ -98,8 +99,10 @@ def test_1x1_conv_on_the_tma_mainloop(data, dtype, n, c8, k, hw, out_layout, spl
     operands = [make_operand(role, kind, out_shape, 1, dtype, lay) for (kind, role), lay in zip(roles, layouts)]
     out = torch.full(out_shape, float("nan"), dtype=dtype).contiguous(memory_format=out_layout)
     assert launch.conv_as_gemm(x, w, [1, 1], [0, 0], out.stride()) is not None  # the TMA path, not the fallback
-    cfg = launch.ConvConfig(*tile, group_m=2, split_k=split, num_warps=4, num_stages=2, tma=True)
+    cfg = launch.ConvConfig(*tile, group_m=2, split_k=1 if persistent else split, num_warps=4, num_stages=2, tma=True,
+                            persistent=persistent)
     launch.conv2d(x, w, operands, str(tree), [1, 1], [0, 0], [1, 1], out, cfg)
+    assert (("gemm_tma_persistent", str(tree)) in codegen._LOADED) or not persistent  # not the fallback
     acc = F.conv2d(x.double(), w.double())
     assert_close(epi.rows3(out, out.shape, 1), reference(acc, tree, operands, 1), dtype)
 

@@ -4,7 +4,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from resfuse import kernels
-from resfuse.kernels import launch
+from resfuse.kernels import codegen, launch
+from resfuse.kernels.matmul import GemmProblem
 
 from resfuse import epilogue as epi
 
@@ -93,10 +94,11 @@ def test_linear_layer_product_written_as_batch_seq_channels(split):
 @settings(max_examples=30, deadline=None)
 @given(data=st.data(), dtype=st.sampled_from(DTYPES), m=st.integers(1, 70), n8=st.integers(1, 9),
        k8=st.integers(1, 11), b_cm=st.booleans(), split=st.sampled_from([1, 2, 3, 5]),
-       tile=st.sampled_from([(16, 16, 16), (32, 16, 32), (16, 32, 16)]))
-def test_tma_mainloop_epilogues(data, dtype, m, n8, k8, b_cm, split, tile):
+       tile=st.sampled_from([(16, 16, 16), (32, 16, 32), (16, 32, 16)]), persistent=st.sampled_from([0, 1, 2]))
+def test_tma_mainloop_epilogues(data, dtype, m, n8, k8, b_cm, split, tile, persistent):
     """The TMA-descriptor mainloop (2-D A and B, row strides 16-byte aligned: N and K multiples of 8 here, M
-    free); boxes past the edges read zeros. B is [K, N] or a linear layer's transposed [N, K] weight."""
+    free); boxes past the edges read zeros. B is [K, N] or a linear layer's transposed [N, K] weight.
+    persistent > 0: the persistent kernel, whose 1 or 2 programs (one SM under the interpreter) walk every tile."""
     n, k = 8 * n8, 8 * k8
     tree, roles = data.draw(trees(kinds=("c", "full"), aux=True))
     a = torch.randn(m, k).to(dtype)
@@ -104,10 +106,12 @@ def test_tma_mainloop_epilogues(data, dtype, m, n8, k8, b_cm, split, tile):
     assert launch.tma_operands(a, b)[1] == (not b_cm)  # the descriptor path, with B's orientation
     operands = [make_operand(role, kind, [m, n], -1, dtype, 0) for kind, role in roles]
     out = torch.full((m, n), float("nan"), dtype=dtype)
-    cfg = launch.GemmConfig(*tile, group_m=2, split_k=split, num_warps=4, num_stages=2, tma=True,
-                            ws=data.draw(st.booleans()))
+    cfg = launch.GemmConfig(*tile, group_m=2, split_k=1 if persistent else split, num_warps=4, num_stages=2,
+                            tma=True, ws=not persistent and data.draw(st.booleans()), persistent=persistent)
+    assert cfg.check(GemmProblem(1, m, n, k, a.element_size(), 1))
     aux = poisoned_aux(tree, out)
     launch.gemm(a, b, operands, str(tree), out, cfg, aux)
+    assert (("gemm_tma_persistent", str(tree)) in codegen._LOADED) or not persistent  # not the fallback
     acc = torch.matmul(a.double(), b.double())
     assert_close(epi.rows3(out, out.shape, -1), reference(acc, tree, operands, -1), dtype)
     check_aux(aux, acc, tree, operands, -1, dtype)
