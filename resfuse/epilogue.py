@@ -112,7 +112,7 @@ OPS: dict[str, OpSpec] = {
     "relu": OpSpec(1, torch.relu, lambda x: _clamp_tl(x, 0.0, math.inf)),
     "clamp": OpSpec(1, lambda x, lo, hi: torch.clamp(x, lo, hi), _clamp_tl),
     "leaky_relu": OpSpec(1, lambda x, a: F.leaky_relu(x, a), lambda x, a: f"tl.where({x} > 0.0, {x}, {x} * {a!r})"),
-    "gelu": OpSpec(1, F.gelu, lambda x: f"(0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476)))"),
+    "gelu": OpSpec(1, F.gelu, lambda x: f"gelu_erf({x})"),  # kernels/activations.py
     "gelu_tanh": OpSpec(1, lambda x: F.gelu(x, approximate="tanh"),
                         lambda x: f"(0.5 * {x} * (1.0 + {_tanh_tl(f'(0.7978845608028654 * ({x} + 0.044715 * {x} * {x} * {x}))')}))"),
     "silu": OpSpec(1, F.silu, lambda x: f"({x} / (1.0 + tl.exp(-{x})))"),

@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 
 from .. import epilogue as epi
+from .activations import HELPERS
 
 # bump when the generated glue or a mainloop's calling convention changes, or when a family takes on ops whose
 # cached winners were chosen without it (3: depthwise convs; 4: persistent GEMMs)
@@ -83,6 +84,7 @@ import triton
 import triton.language as tl
 
 from {family.module} import {family.mainloop}
+from resfuse.kernels.activations import {", ".join(HELPERS)}
 from resfuse.kernels.split_k import split_k_reduce
 
 

@@ -22,6 +22,10 @@ FAST_TILES = ((128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4), (128, 256, 8, 
 # default runs on both: every TMA twin beat its pointer twin on the three such cases of `bench/kernels.py --sweep`
 # (H200, fp16 with the epilogue: BERT qkv 37.4 -> 32.2 us, ffn1 133.5 -> 116.6, ResNet 1x1 64>256 tail at bs32
 # 80.2 -> 54.2, best against best), so the pointer twins would only cost compiles.
+# Tiles whose TMA configs "fast" also offers persistent (2 programs an SM, matmul.PERSISTENT_FAMILY): the
+# best persistent config of `bench/persistent.py` on each of its cases (H100, bs256 ResNet-50 1x1 convs and
+# ConvNeXt/BERT GEMMs) used one of these, and beat the best one-tile-per-program config by up to 1.31x.
+PERSISTENT_TILES = ((128, 64), (128, 128), (256, 128))
 LEVELS = ("none", "fast", "max")
 MODULES = {"conv2d": conv2d_fprop, "gemm": matmul, "conv2d_dgrad": conv2d_bwd_data}  # op -> its kernel's space
 
@@ -88,6 +92,8 @@ def configs(call, level: str) -> list:
             found.append(dataclasses.replace(default, split_k=1, **({"tma": True} if tma else {})))
         if tma:
             found.append(dataclasses.replace(default, tma=True))
+            found += [dataclasses.replace(c, persistent=2) for c in found
+                      if c.tma and c.split_k == 1 and (c.block_m, c.block_n) in PERSISTENT_TILES]
     if not _tma_readable(call):
         found = [c for c in found if not getattr(c, "tma", False)]  # it would run the pointer mainloop: a duplicate
     return [c for c in dict.fromkeys(found) if c.check(p)]

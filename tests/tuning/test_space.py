@@ -17,6 +17,8 @@ def test_fast_level_offers_tma_variants_only_where_descriptors_can_read():
     # the fast tiles run on the TMA mainloop; only the heuristic default keeps its pointer twin
     assert [c.tma for c in offered].count(False) == 1 and not offered[0].tma and sum(c.tma for c in offered) >= 2
     assert sum(c.tma for c in offered) == len(offered) - 1
+    persistent = [c for c in offered if c.persistent]
+    assert persistent and all(c.tma and c.split_k == 1 and c.persistent == 2 for c in persistent)
     misaligned = gemm_call(torch.randn(100, 60).half(), torch.randn(60, 90).half())  # 120-byte rows
     assert not any(c.tma for c in space.configs(misaligned, "fast"))
     assert space.configs(aligned, "none") == [space.configs(aligned, "fast")[0]] and not space.configs(aligned, "none")[0].tma
@@ -42,5 +44,7 @@ def test_stride_1_channels_last_convs_get_tma_variants_and_the_others_do_not():
     for call in (one, conv_call(x, w3, [1, 1])):  # the GEMM, and the 3x3 conv on its box mainloop
         offered = space.configs(call, "fast")
         assert [c.tma for c in offered].count(False) == 1 and len(offered) >= 3
+        # persistent twins only where the conv is a plain GEMM (the persistent kernel is the GEMM's)
+        assert any(c.persistent for c in offered) == (call is one)
     assert not any(c.tma for c in space.configs(conv_call(x, w3, [1, 1], stride=2), "fast"))
     assert not any(c.tma for c in space.configs(conv_call(x.contiguous(), w3, [1, 1]), "fast"))
