@@ -64,7 +64,7 @@ def gemm_case(case):
     wt = torch.randn(n, k, device="cuda", dtype=torch.float16) / k**0.5  # nn.Linear's [N, K] weight
     bias = torch.randn(n, device="cuda", dtype=torch.float16)
     res = torch.randn(m, n, device="cuda", dtype=torch.float16)
-    ops = [bias, res][: 2 if "full1" in sig else 1]
+    ops = [bias, res][: 2 if "full1" in sig else 1 if "c0" in sig else 0]
     out = torch.empty(m, n, device="cuda", dtype=torch.float16)
     ref = epi.reference(epi.parse(sig), epi.rows3(a.float() @ wt.t().float(), (m, n), -1),
                         [epi.rows3(t.float(), (m, n), -1) for t in ops])
@@ -127,11 +127,14 @@ def run_case(built, cls, peak: float, bw: float) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default="", help="substring filter on case names")
+    p.add_argument("--sigs", default="", help="semicolon list of GEMM epilogues to time instead of each case's own")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     peak, bw = kb.measure_ceilings()
     print(f"ceilings: mm {peak / 1e12:.0f} TFLOP/s, copy {bw / 1e9:.0f} GB/s", flush=True)
-    rows = [run_case(gemm_case(g), GemmConfig, peak, bw) for g in GEMMS if args.cases in g[0]]
+    gemms = [g if not sig else (f"{g[0]} [{sig}]", *g[1:4], sig)
+             for g in GEMMS if args.cases in g[0] for sig in (args.sigs.split(";") if args.sigs else [""])]
+    rows = [run_case(gemm_case(g), GemmConfig, peak, bw) for g in gemms]
     rows += [run_case(conv_case(c), ConvConfig, peak, bw) for c in CONVS if args.cases in c.name]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "persistent.json"), "w") as f:
