@@ -40,7 +40,8 @@ class Family:
     count, already in args) and `s_out_c` (the output's channel stride).
     A persistent family names in `loop` the arg that holds its tile count: each program then walks the tiles
     program_id, program_id + programs, ... and its mainloop takes the tile number first. The loop is flattened
-    with the mainloop's reduction loop, so the next tile's loads are issued during this tile's epilogue.
+    with the mainloop's reduction loop (tl.range(flatten=True)), so that Triton's pipeliner may issue the next
+    tile's loads during this tile's epilogue; a long epilogue (GELU) still measured as not overlapped.
     """
     name: str
     module: str
