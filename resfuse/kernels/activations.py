@@ -16,7 +16,7 @@ def gelu_erf(x):
     """Exact (erf) GELU, x * Phi(x), with Phi(-|x|) = erfc(|x| / sqrt 2) / 2 from the Chebyshev fit in
     Numerical Recipes (erfcc): erfc(z) = t * exp(-z^2 + P(t)), t = 1 / (1 + z / 2), relative error below
     1.2e-7 for every z >= 0: a reciprocal, nine FMAs and one exp. GELU's arithmetic bounds a GEMM epilogue over a
-    wide output (ConvNeXt's pointwise layers, BERT's FFN); on those GEMMs this measured 2-9% faster than
+    wide output (ConvNeXt's pointwise layers, BERT's FFN); on those GEMMs this measured 1-9% faster than
     libdevice's erff (tl.erf) on an H100 (BENCHMARKS.md, eighth session). Where eager's 1 + erf(x) cancels
     (x below about -3) it keeps Phi's relative error small."""
     t = tl.fdiv(1.0, 1.0 + 0.3535533905932738 * tl.abs(x), ieee_rounding=False)
