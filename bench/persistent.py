@@ -2,7 +2,7 @@
 ops whose epilogue stores dominate (ConvNeXt-T's pointwise layers and ResNet-50's 1x1 convs at bs256, BERT's
 FFN).
 
-Entry point: `python bench/persistent.py [--cases SUBSTR] [--out DIR]`, on a GPU machine. For each case it
+Entry point: `python bench/persistent.py [--cases SUBSTR] [--sigs "SIG;SIG"] [--out DIR]`, on a GPU machine. For each case it
 times (CUDA-graph replays, median) each config of a small list, checks every result against an fp32
 reference, and prints per case the best one-tile-per-program config, the best persistent one, cuBLAS/cuDNN
 alone, the unfused eager chain and the roofline floor. Rows go to DIR/persistent.json.
