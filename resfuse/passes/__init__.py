@@ -1,6 +1,7 @@
 """Graph -> graph passes over an ATen FX graph, in order. Entry point: `run_passes(gm, ctx)`.
 
-Order matters: the epilogue pass runs first so that FuseAddToOutput finds fused producers to absorb adds
+Order matters: the permutes sink first, so that the elementwise ops after a permuted conv/GEMM follow it;
+the epilogue pass runs next so that FuseAddToOutput finds fused producers to absorb adds
 into (and then lets the trailing activation follow the add in); the report reads the final graph.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from ..config import Config
 from .add_to_output import add_to_output
 from .bn_backward import batch_norm_backward
 from .match_epilogue import match_epilogue
+from .permutes import sink_permutes
 from .pooling import max_pool
 from .report import Report
 
@@ -43,6 +45,7 @@ def _collect(gm, ctx):
 
 
 PASSES = [
+    ("sink_permutes", sink_permutes),  # first: brings a permuted GEMM's consumers next to it for the fusions
     ("match_epilogue", _epilogue),
     ("add_to_output", add_to_output),  # after match_epilogue: it extends the fused ops that pass made
     ("bn_backward", batch_norm_backward),  # after the fusions: its grad_out is their dgrad's output

@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from . import legality
-from .group import _fake_call
+from .group import fake_call
 
 aten = torch.ops.aten
 NATIVE = aten.native_batch_norm_backward.default
@@ -34,7 +34,7 @@ def batch_norm_backward(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             continue
         node.target = torch.ops.resfuse.batch_norm_backward.default
         node.args = (grad_out, x, weight, save_mean, save_invstd, float(eps), "triton")
-        node.meta["val"] = _fake_call(node.target, node.args)  # all three gradients, the masked-off ones too
+        node.meta["val"] = fake_call(node.target, node.args)  # all three gradients, the masked-off ones too
         done += 1
     if done:
         gm.recompile()

@@ -179,7 +179,7 @@ class Group:
         args = (*self.inputs, list(self.operands), str(tree), *self.params, self.provider)
         aux = epi.aux_value(tree) is not None
         target = AUX_TARGET[self.anchor] if aux else TARGET[self.anchor]
-        fake = _fake_call(target, args)
+        fake = fake_call(target, args)
         value = fake[0] if isinstance(fake, tuple) else fake
         want = self.out_val
         if not legality.same_strides(value, want):
@@ -248,7 +248,7 @@ def _keep_topological(graph: fx.Graph, new: fx.Node) -> None:
         anchor.append(n)
 
 
-def _fake_call(target, args):
+def fake_call(target, args):
     """Run the op's fake implementation on the nodes' fake values (metadata only)."""
     from torch._guards import detect_fake_mode
     from torch.utils._pytree import tree_leaves

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from . import legality
-from .group import _fake_call
+from .group import fake_call
 
 aten = torch.ops.aten
 FORWARD = aten.max_pool2d_with_indices.default
@@ -88,7 +88,7 @@ def _forward(node: fx.Node) -> str | None:
     index_users = [u for u in node.users if u.target is operator.getitem and u.args[1] == 1]
     with_indices = any(u.users for u in index_users)
     args = (x, *params, with_indices, "triton")
-    fake = _fake_call(torch.ops.resfuse.max_pool2d.default, args)
+    fake = fake_call(torch.ops.resfuse.max_pool2d.default, args)
     want = node.meta.get("val")
     if not (_same_layout(fake[0], want[0]) and (not with_indices or _same_layout(fake[1], want[1]))):
         return "max-pool output layout differs from ATen's"
@@ -108,7 +108,7 @@ def _backward(node: fx.Node) -> tuple[str | None, bool]:
     if relu is not None:
         mask, threshold = relu.args[1], float(relu.args[2])
     args = (grad_out, x, indices, *params, mask, threshold, "triton")
-    fake = _fake_call(torch.ops.resfuse.max_pool2d_backward.default, args)
+    fake = fake_call(torch.ops.resfuse.max_pool2d_backward.default, args)
     last = relu if relu is not None else node
     if not _same_layout(fake, legality.val(last)):
         return "max-pool backward layout differs from ATen's", False
