@@ -8,8 +8,8 @@ the activation. The rewrite, one consumer at a time:
     elementwise(permute(x, p), y)  =>  permute(elementwise(x, permute(y, p^-1)), p)
 
 A `y` of lower rank is first unsqueezed to full rank; a permute of a permute that composes to the identity is
-the original node. Only a permute of a conv/GEMM's value starts a chain (through elementwise ops and views, each
-read once), it must be read by that one consumer, and the rewritten value must keep the original's strides, so
+the original node. Only a permute of a conv/GEMM's value starts a chain (through elementwise ops, views and
+eval-mode dropout's clone, each read once), it must be read by that one consumer, and the rewritten value must keep the original's strides, so
 nothing downstream sees another layout.
 """
 from __future__ import annotations
@@ -23,6 +23,12 @@ from .match_epilogue import ANCHORS, BINARY, UNARY, VIEWS
 
 aten = torch.ops.aten
 PERMUTE = aten.permute.default
+CLONE = aten.clone.default  # eval-mode dropout: a copy that keeps the layout (with no memory_format given)
+
+
+def _elementwise(node: fx.Node) -> bool:
+    return node.op == "call_function" and not node.kwargs and (
+        node.target in UNARY or node.target in BINARY or node.target is CLONE)
 
 
 def _permutation(node: fx.Node) -> list[int]:
@@ -42,11 +48,11 @@ def _from_anchor(node: fx.Node) -> bool:
     while isinstance(node, fx.Node) and node.op == "call_function":
         if node.target in ANCHORS:
             return True
-        if node.target not in UNARY and node.target not in BINARY and node.target not in VIEWS:
+        if not _elementwise(node) and node.target not in VIEWS:
             return False
         shape = legality.val(node).shape if legality.val(node) is not None else None
         inputs = [a for a in node.args[:2] if legality.val(a) is not None and legality.val(a).shape == shape]
-        if node.target in VIEWS:
+        if node.target in VIEWS or node.target is CLONE:
             inputs = node.args[:1]
         if len(inputs) != 1 or len(inputs[0].users) != 1:
             return False  # a full-shape binary op has two candidate sources; a shared value is not ours to move
@@ -78,7 +84,7 @@ def _sink(permute: fx.Node) -> fx.Node | None:
     if len(users) != 1:
         return None
     user, x, p = users[0], permute.args[0], _permutation(permute)
-    if user.op != "call_function" or (user.target not in UNARY and user.target not in BINARY) or user.kwargs:
+    if not _elementwise(user):
         return None
     want, tensors = legality.val(user), [legality.val(a) for a in user.args if isinstance(a, fx.Node)]
     if (want is None or tuple(want.shape) != tuple(legality.val(permute).shape)

@@ -116,15 +116,16 @@ def test_a_permute_of_something_else_stays():
 
 
 class ConvNeXtBlock(nn.Module):
-    """torchvision's CNBlock without the depthwise conv: NHWC linears, then layer scale and the shortcut in NCHW."""
+    """torchvision's CNBlock without the depthwise conv (and timm's dropout): NHWC linears, then layer scale and the
+    shortcut in NCHW."""
 
     def __init__(self, c):
         super().__init__()
         self.norm, self.up, self.down = nn.LayerNorm(c), nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
-        self.layer_scale = nn.Parameter(torch.randn(c, 1, 1))
+        self.layer_scale, self.drop = nn.Parameter(torch.randn(c, 1, 1)), nn.Dropout(0.1)  # eval: a clone (timm's)
 
     def forward(self, x):
-        y = self.down(nn.functional.gelu(self.up(self.norm(x.permute(0, 2, 3, 1))))).permute(0, 3, 1, 2)
+        y = self.drop(self.down(nn.functional.gelu(self.up(self.norm(x.permute(0, 2, 3, 1)))))).permute(0, 3, 1, 2)
         return torch.relu(self.layer_scale * y + x)
 
 
