@@ -111,3 +111,38 @@ def test_a_remainder_inductor_refuses_runs_eagerly_and_says_why(monkeypatch):
     (note,) = compiled.resfuse_report.notes
     assert note.startswith("inference graph: Inductor refused the remainder, running it eagerly: RuntimeError: "
                            "no lowering for this op second line")
+
+
+class BiasOnly(nn.Module):
+    """Convs whose epilogue is their bias alone, each read by an op no fusion takes (a LayerNorm over channels)."""
+
+    def __init__(self, c=4):
+        super().__init__()
+        self.grouped, self.depthwise = nn.Conv2d(c, c, 3, padding=1, groups=2), nn.Conv2d(c, c, 3, padding=1, groups=c)
+        self.dense, self.norm = nn.Conv2d(c, c, 1), nn.LayerNorm(c)
+
+    def forward(self, x):
+        ln = lambda y: self.norm(y.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)  # noqa: E731
+        return ln(self.dense(ln(self.depthwise(ln(self.grouped(x))))))
+
+
+@pytest.mark.parametrize("remainder", ["inductor", "eager"])
+def test_a_bias_alone_on_cudnn_is_left_to_inductor(remainder):
+    """A grouped conv runs cuDNN (ATen here) + our bias kernel (the tuner's only choice for it, as it is wherever
+    cuDNN wins the tuning): with Inductor compiling the rest the conv stays an ATen op, so that Inductor adds its
+    bias inside the LayerNorm's kernel. The depthwise and the dense conv run our kernels and stay fused; with an
+    eager remainder nothing would add the bias for free, so the grouped conv is fused too."""
+    torch.manual_seed(6)
+    net = BiasOnly().eval().to(memory_format=torch.channels_last)
+    x = torch.randn(2, 4, 6, 5).to(memory_format=torch.channels_last)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(net, interpret=True, remainder=remainder)
+    with torch.no_grad():
+        assert rel(compiled(x), net(x)) < 1e-5
+    report = compiled.resfuse_report
+    groups = sorted(f.shapes["inputs"][0][1] // f.shapes["inputs"][1][1] for f in report.fusions)
+    left = [r for r in report.rejected if "bias alone" in r.reason]
+    if remainder == "inductor":
+        assert groups == [1, 4] and len(left) == 1 and "(epilogue)" in left[0].reason
+    else:
+        assert groups == [1, 2, 4] and left == []

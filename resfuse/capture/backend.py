@@ -46,7 +46,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs, *, config: Config, graph: 
     original = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # the passes rewrite gm in place
     before = peak_bytes(gm)
     try:
-        gm = run_passes(gm, PassContext(config, graph, report))
+        tune_now = run_graph and kernels.triton_installed() and inductor.wanted(config.remainder, example_inputs)
+        gm = run_passes(gm, PassContext(config, graph, report, tune_now))
         report.peak_bytes[graph] = (before, peak_bytes(gm))
     except Exception as e:  # never crash the user's model: fall back to the captured graph, and say why
         report.errors.append(f"{graph} graph: passes failed, running it unfused: {type(e).__name__}: {e}")

@@ -107,6 +107,22 @@ def _finish(acc: torch.Tensor, out: torch.Tensor, operands, signature: str, chan
     return out
 
 
+def call_of(op: str, inputs: tuple, operands, epilogue: str, params: tuple, aux=None):
+    """The tuner's description of one fused conv2d or gemm call (params: the op's own arguments after the
+    signature). The ops build it on every call, and the epilogue pass to tune an op at capture time."""
+    from ..tuning.choose import Call
+
+    if op == "conv2d":
+        stride, padding, dilation = params
+        out = conv_output(*inputs, epilogue, stride, padding, dilation)
+        params = (list(stride), list(padding), list(dilation))
+    else:
+        out_shape = _gemm_out_shape(*inputs, params[0])
+        out = Output.of(out_shape, epi.out_dtype(epi.parse(epilogue), inputs[0].dtype), inputs[0].device)
+        params = (list(out_shape),)
+    return Call(op, tuple(inputs), list(operands), epilogue, params, out, aux)
+
+
 def _use_triton(device: torch.device, provider: str) -> bool:
     if provider != "triton":
         return False
@@ -139,10 +155,9 @@ def _conv2d(x, weight, operands, epilogue, stride, padding, dilation, provider, 
     out = conv_output(x, weight, epilogue, stride, padding, dilation)
     if _use_triton(x.device, provider):
         from .. import kernels
-        from ..tuning.choose import Call, choose
+        from ..tuning.choose import choose
 
-        call = Call("conv2d", (x, weight), list(operands), epilogue, (list(stride), list(padding), list(dilation)),
-                    out, aux)
+        call = call_of("conv2d", (x, weight), operands, epilogue, (stride, padding, dilation), aux)
         choice = choose(call)
         _record("conv2d", epilogue, choice.provider)
         if choice.provider == "triton":
@@ -221,9 +236,9 @@ def _gemm(a, b, operands, epilogue, out_shape, provider, aux):
     out = Output.of(out_shape, epi.out_dtype(epi.parse(epilogue), a.dtype), a.device)
     if _use_triton(a.device, provider):
         from .. import kernels
-        from ..tuning.choose import Call, choose
+        from ..tuning.choose import choose
 
-        call = Call("gemm", (a, b), list(operands), epilogue, (list(out_shape),), out, aux)
+        call = call_of("gemm", (a, b), operands, epilogue, (out_shape,), aux)
         choice = choose(call)
         _record("gemm", epilogue, choice.provider)
         if choice.provider == "triton":

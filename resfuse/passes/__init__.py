@@ -25,6 +25,7 @@ class PassContext:
     config: Config
     graph: str  # "inference", "forward" or "backward"
     report: Report
+    tune_now: bool = False  # may a pass tune an op at capture (the graph will run, its remainder on Inductor)
 
     def provider_for(self, anchor: fx.Node) -> str:
         """Who runs this fused op: Triton kernels on CUDA (or on CPU under the interpreter), else ATen."""

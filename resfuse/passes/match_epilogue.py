@@ -223,6 +223,43 @@ def _same_dtype(g: Group, node: fx.Node) -> str | None:
     return None
 
 
+LONE_BIAS = epi.Op("add", (epi.ACC, epi.Operand(0, "c")))
+
+
+def _bias_better_unfused(g: Group, ctx) -> str | None:
+    """Why a conv/GEMM whose epilogue is its bias alone stays an ATen op (None: fuse it).
+
+    Where cuDNN/cuBLAS wins the op's tuning, our fused op runs it and then adds the bias in a kernel of its own,
+    a pass over the output. Inductor, compiling the rest of the graph, adds a bias inside its consumer's kernel
+    instead (ConvNeXt's depthwise conv, then a LayerNorm), and cuBLAS inside its GEMM. So the op is tuned now,
+    on random inputs of its shapes (the fused call would find the same choice later), where Inductor takes the
+    rest and every shape is static."""
+    if not ctx.tune_now or g.tree != LONE_BIAS or g.provider != "triton" or g.anchor not in ("conv2d", "gemm"):
+        return None
+    vals = [legality.val(n) for n in (*g.inputs, *g.operands, g.out)]
+    if any(v is None or not all(isinstance(d, int) for d in (*v.shape, *v.stride())) for v in vals):
+        return None  # a dynamic batch: no inputs to tune on
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from ..ops import fused
+    from ..tuning.choose import choose
+
+    with unset_fake_temporarily():
+        rng = torch.Generator(legality.val(g.out).device).manual_seed(0)  # the user's RNG stream stays untouched
+
+        def random(n):
+            v = legality.val(n)
+            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device).normal_(generator=rng)
+
+        call = fused.call_of(g.anchor, tuple(random(n) for n in g.inputs), [random(n) for n in g.operands],
+                             str(g.tree), g.params)
+        provider = choose(call).provider
+    if provider in ("epilogue", "aten"):
+        return (f"an epilogue of its bias alone, where cuDNN/cuBLAS won the tuning ({provider}): left to Inductor, "
+                "which adds the bias in its consumer's kernel")
+    return None
+
+
 def match_epilogue(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
         if not is_anchor(node):
@@ -234,6 +271,10 @@ def match_epilogue(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         g = grow(Group.from_anchor(node, ctx.provider_for(node)), ctx)
         if g.tree == epi.ACC:
             continue  # no epilogue: leave the ATen op to cuDNN/cuBLAS (FuseAddToOutput may still take it)
+        why = _bias_better_unfused(g, ctx)
+        if why:
+            ctx.reject(node, why)
+            continue
         emitted = g.emit()
         if isinstance(emitted, str):
             ctx.reject(node, emitted)
