@@ -9,8 +9,10 @@ the activation. The rewrite, one consumer at a time:
 
 A `y` of lower rank is first unsqueezed to full rank; a permute of a permute that composes to the identity is
 the original node. Only a permute of a conv/GEMM's value starts a chain (through elementwise ops, views and
-eval-mode dropout's clone, each read once), it must be read by that one consumer, and the rewritten value must keep the original's strides, so
-nothing downstream sees another layout.
+eval-mode dropout's clone, each read once), and it must be read by that one consumer. The rewritten value must
+keep the original's strides, so nothing downstream sees another layout. Elementwise ops choose their output's
+layout from their inputs' strides, in the same way for permuted inputs, so in every case the property test
+drew the strides matched; the check is a guard, and it also refuses a change of dtype.
 """
 from __future__ import annotations
 
