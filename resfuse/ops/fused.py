@@ -152,12 +152,12 @@ def aux_output(out: Output, dtype: torch.dtype) -> Output:
 
 
 def _conv2d(x, weight, operands, epilogue, stride, padding, dilation, provider, aux):
-    out = conv_output(x, weight, epilogue, stride, padding, dilation)
     if _use_triton(x.device, provider):
         from .. import kernels
         from ..tuning.choose import choose
 
         call = call_of("conv2d", (x, weight), operands, epilogue, (stride, padding, dilation), aux)
+        out = call.out
         choice = choose(call)
         _record("conv2d", epilogue, choice.provider)
         if choice.provider == "triton":
@@ -171,6 +171,7 @@ def _conv2d(x, weight, operands, epilogue, stride, padding, dilation, provider, 
             return cudnn.run(call, out.empty())
     else:
         _record("conv2d", epilogue, "reference")
+        out = conv_output(x, weight, epilogue, stride, padding, dilation)
     return conv2d_reference(x, weight, operands, epilogue, stride, padding, dilation, out.empty(), aux)
 
 
@@ -232,13 +233,12 @@ def gemm_aux_impl(a: torch.Tensor, b: torch.Tensor, operands: Sequence[torch.Ten
 
 
 def _gemm(a, b, operands, epilogue, out_shape, provider, aux):
-    out_shape = _gemm_out_shape(a, b, out_shape)
-    out = Output.of(out_shape, epi.out_dtype(epi.parse(epilogue), a.dtype), a.device)
     if _use_triton(a.device, provider):
         from .. import kernels
         from ..tuning.choose import choose
 
         call = call_of("gemm", (a, b), operands, epilogue, (out_shape,), aux)
+        out, out_shape = call.out, call.params[0]
         choice = choose(call)
         _record("gemm", epilogue, choice.provider)
         if choice.provider == "triton":
@@ -248,6 +248,8 @@ def _gemm(a, b, operands, epilogue, out_shape, provider, aux):
             return two_kernels.run(call)
     else:
         _record("gemm", epilogue, "reference")
+        out_shape = _gemm_out_shape(a, b, out_shape)
+        out = Output.of(out_shape, epi.out_dtype(epi.parse(epilogue), a.dtype), a.device)
     return gemm_reference(a, b, operands, epilogue, out_shape, out.empty(), aux)
 
 
