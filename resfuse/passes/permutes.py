@@ -52,10 +52,11 @@ def _from_anchor(node: fx.Node) -> bool:
             return True
         if not _elementwise(node) and node.target not in VIEWS:
             return False
-        shape = legality.val(node).shape if legality.val(node) is not None else None
-        inputs = [a for a in node.args[:2] if legality.val(a) is not None and legality.val(a).shape == shape]
         if node.target in VIEWS or node.target is CLONE:
             inputs = node.args[:1]
+        else:  # an elementwise op's inputs of its own shape (not a broadcast vector)
+            shape = legality.val(node).shape if legality.val(node) is not None else None
+            inputs = [a for a in node.args[:2] if legality.val(a) is not None and legality.val(a).shape == shape]
         if len(inputs) != 1 or len(inputs[0].users) != 1:
             return False  # a full-shape binary op has two candidate sources; a shared value is not ours to move
         node = inputs[0]
