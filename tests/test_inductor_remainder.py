@@ -141,8 +141,45 @@ def test_a_bias_alone_on_cudnn_is_left_to_inductor(remainder):
         assert rel(compiled(x), net(x)) < 1e-5
     report = compiled.resfuse_report
     groups = sorted(f.shapes["inputs"][0][1] // f.shapes["inputs"][1][1] for f in report.fusions)
-    left = [r for r in report.rejected if "bias alone" in r.reason]
+    left = [r for r in report.rejected if "left to Inductor" in r.reason]
     if remainder == "inductor":
         assert groups == [1, 4] and len(left) == 1 and "(epilogue)" in left[0].reason
     else:
         assert groups == [1, 2, 4] and left == []
+
+
+
+class Head(nn.Module):
+    """A linear layer whose bias and residual add feed a LayerNorm: BERT's output projections."""
+
+    def __init__(self, c=4):
+        super().__init__()
+        self.fc, self.norm = nn.Linear(c, c), nn.LayerNorm(c)
+
+    def forward(self, z):
+        return self.norm(self.fc(z) + z.sigmoid())
+
+
+@pytest.mark.parametrize("remainder", ["inductor", "eager"])
+def test_a_gemm_left_to_inductor_keeps_its_residual_add_there(remainder, monkeypatch):
+    """The tuner choosing cuBLAS + our epilogue kernel, the linear's bias is left to Inductor, and FuseAddToOutput
+    must not take the GEMM back for the residual add that follows (Inductor adds both inside the LayerNorm's
+    kernel). With an eager remainder the GEMM fuses bias and add."""
+    from resfuse.tuning import choose
+
+    tuned = []
+    monkeypatch.setattr(choose, "choose", lambda call: tuned.append(call.signature) or choose.UNTUNED)
+    torch.manual_seed(7)
+    net = Head().eval()
+    z = torch.randn(6, 4)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(net, interpret=True, remainder=remainder)
+    with torch.no_grad():
+        assert rel(compiled(z), net(z)) < 1e-5
+    report = compiled.resfuse_report
+    left = [r for r in report.rejected if "bias alone" in r.reason]
+    if remainder == "inductor":
+        assert tuned == ["add(acc,c0)"] and report.fusions == [] and len(left) == 2, left  # the addmm, the add
+        assert {r.op for r in left} == {"aten.addmm.default", "aten.add.Tensor"}
+    else:
+        assert left == [] and [f.pattern for f in report.fusions] == ["gemm_bias_add"]

@@ -18,7 +18,7 @@ import torch.fx as fx
 from .. import epilogue as epi
 from . import legality
 from .group import MULTI_OUTPUT, Group, first_output_of, fused_op, signature
-from .match_epilogue import VIEWS, anchor_refusal, grow, is_anchor
+from .match_epilogue import LEFT, VIEWS, anchor_refusal, grow, is_anchor
 
 aten = torch.ops.aten
 
@@ -59,6 +59,8 @@ def _refusal(producer, other: fx.Node, add: fx.Node) -> str | None:
     view_of = _gemm_behind_view(producer)
     if view_of is not None:
         return legality.first(_layout(other, producer, add), _refusal(view_of, other, add))
+    if LEFT in producer.meta:  # match_epilogue tuned it and left it, with its bias, to Inductor
+        return producer.meta[LEFT]
     fused = fused_op(producer)
     if fused is None and not is_anchor(producer):
         return f"{producer.target} cannot accumulate into its output"

@@ -224,6 +224,7 @@ def _same_dtype(g: Group, node: fx.Node) -> str | None:
 
 
 LONE_BIAS = epi.Op("add", (epi.ACC, epi.Operand(0, "c")))
+LEFT = "resfuse_left"  # node.meta key: why this pass left a conv/GEMM and its bias to Inductor
 
 
 def _bias_better_unfused(g: Group, ctx) -> str | None:
@@ -233,7 +234,9 @@ def _bias_better_unfused(g: Group, ctx) -> str | None:
     a pass over the output. Inductor, compiling the rest of the graph, adds a bias inside its consumer's kernel
     instead (ConvNeXt's depthwise conv, then a LayerNorm), and cuBLAS inside its GEMM. So the op is tuned now,
     on random inputs of its shapes (the fused call would find the same choice later), where Inductor takes the
-    rest and every shape is static."""
+    rest and every shape is static. Longer epilogues are not tried: add_to_output may still extend them, and
+    Inductor writes a batch norm or an activation in a kernel of its own as we do (its stem batch norm and relu
+    before the max-pool too: `bench/inductor_probe.py`)."""
     if not ctx.tune_now or g.tree != LONE_BIAS or g.provider != "triton" or g.anchor not in ("conv2d", "gemm"):
         return None
     vals = [legality.val(n) for n in (*g.inputs, *g.operands, g.out)]
@@ -273,6 +276,7 @@ def match_epilogue(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             continue  # no epilogue: leave the ATen op to cuDNN/cuBLAS (FuseAddToOutput may still take it)
         why = _bias_better_unfused(g, ctx)
         if why:
+            node.meta[LEFT] = why
             ctx.reject(node, why)
             continue
         emitted = g.emit()
