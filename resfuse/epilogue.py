@@ -191,6 +191,30 @@ def aux_value(node: Node) -> Node | None:
     return next((v for v in map(aux_value, node.args) if v is not None), None)
 
 
+MONOTONE = frozenset({"add", "sub", "mul", "div", "bn", "relu", "clamp", "leaky_relu", "sigmoid", "tanh",
+                      "hardsigmoid"})
+
+
+def monotone_refusal(node: Node) -> str | None:
+    """Why the tree may not be monotone in acc within one channel of one sample (None: it is). Every step on
+    the path from acc must be a monotone op of one argument on that path (acc not a divisor), and every other
+    argument a constant or a per-channel (or per sample and channel) operand. Rounding keeps each step
+    monotone, so this holds for the computed values too (kernels/max_pool.py relies on it)."""
+    if node == ACC:
+        return None
+    if not isinstance(node, Op) or node.name not in MONOTONE:
+        return f"{label(node) if isinstance(node, Op) else node} is not monotone"
+    if node.name == "leaky_relu" and node.params[0] < 0:
+        return "leaky_relu with a negative slope is not monotone"
+    on_path = [i for i, a in enumerate(node.args) if contains_acc(a)]
+    if len(on_path) != 1 or (node.name == "div" and on_path != [0]):
+        return f"{node.name} of acc with acc" if len(on_path) != 1 else "a division by acc is not monotone"
+    for i, a in enumerate(node.args):
+        if i != on_path[0] and not (isinstance(a, Const) or (isinstance(a, Operand) and a.kind in ("c", "nc"))):
+            return f"{node.name} with an operand that varies within a channel"
+    return monotone_refusal(node.args[on_path[0]])
+
+
 def out_dtype(tree: Node, default: torch.dtype) -> torch.dtype:
     """The fused output's dtype: fp32 under a root float32 marker, else the anchor's (`default`)."""
     return torch.float32 if isinstance(tree, Op) and tree.name == "float32" else default

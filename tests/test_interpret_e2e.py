@@ -174,8 +174,9 @@ class _Stem(torch.nn.Module):
 
 
 def test_max_pool_runs_our_kernels_in_inference_and_training():
-    """The stem's pool runs our kernels: in inference without writing indices, in training with them, and its
-    backward with relu's gradient applied on the way out; outputs and gradients equal eager's."""
+    """The stem's pool runs our kernels: in inference without writing indices and computing the conv's batch
+    norm and relu itself, in training with indices, and its backward with relu's gradient applied on the way
+    out; outputs and gradients equal eager's."""
     import copy
 
     from resfuse.ops import PATHS
@@ -189,8 +190,10 @@ def test_max_pool_runs_our_kernels_in_inference_and_training():
     compiled = resfuse.compile(stem.eval(), interpret=True)
     with torch.no_grad():
         assert rel(compiled(x), twin.eval()(x)) < 1e-5
-    assert PATHS[("max_pool2d", "", "triton")] == 1
-    assert "inference graph: 1 max-pool op(s) on resfuse's kernels" in compiled.resfuse_report.rewrites
+    assert PATHS[("max_pool2d", "relu(bn[#1e-05](acc,c0,c1,c2,c3))", "triton")] == 1
+    assert ("inference graph: 1 max-pool op(s) on resfuse's kernels (1 computing the epilogue of the conv before "
+            "it)") in compiled.resfuse_report.rewrites
+    assert sorted(f.pattern for f in compiled.resfuse_report.fusions) == ["conv2d_bias", "max_pool2d_bn_relu"]
 
     torch._dynamo.reset()
     compiled = resfuse.compile(stem.train(), interpret=True)

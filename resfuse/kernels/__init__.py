@@ -10,6 +10,7 @@ Entry points, called by ops/fused.py:
   epilogue(acc, operands, signature, out, channel_dim) -> out   the epilogue alone, on an ATen result
   batch_norm_train(...), batch_norm_backward(...)    training batch norm (batch_norm.py, batch_norm_bwd.py)
   max_pool2d(...), max_pool2d_backward(...)          max pooling and its gradient (max_pool.py)
+  max_pool2d_epilogue(...)                          max pooling of a monotone epilogue's value (max_pool.py)
   set_options(interpret=..., cache_dir=..., split_k=...)   process-wide, set by resfuse.compile
 
 Triton decides at decoration time whether a kernel is compiled or interpreted, so the interpreter switch is
@@ -105,6 +106,12 @@ def max_pool2d(x, kernel, stride, padding, dilation, out, indices=None):
     """Max pooling -> (out, indices); indices (int64, ATen's) are written only when given."""
     from .max_pool import max_pool2d as run
     return run(x, kernel, stride, padding, dilation, out, indices)
+
+
+def max_pool2d_epilogue(x, operands, signature, kernel, stride, padding, dilation, out):
+    """out = max-pool of epilogue(x), for an epilogue monotone within each channel (epilogue.monotone_refusal)."""
+    from .max_pool import max_pool2d_epilogue as run
+    return run(x, operands, signature, kernel, stride, padding, dilation, out)
 
 
 def max_pool2d_backward(grad_out, indices, kernel, stride, padding, dilation, grad_input, mask=None, threshold=0.0):

@@ -122,17 +122,23 @@ def _write_if_changed(path: Path, source: str) -> None:
 
 def load(family: Family, signature: str):
     """The generated kernel for this family and epilogue, built on first use and cached in-process."""
-    key = (family.name, signature)
+    return load_source(family.name, signature, lambda: kernel_source(family, signature))
+
+
+def load_source(family: str, signature: str, source):
+    """The kernel `resfuse_<family>` that `source()` writes for this signature (a kernel not built on a
+    Family's template: max_pool.py's), built on first use and cached in-process."""
+    key = (family, signature)
     with _LOCK:
         if key in _LOADED:
             return _LOADED[key]
-        digest = hashlib.sha256(f"{family.name}|{signature}|{TEMPLATE_VERSION}".encode()).hexdigest()[:16]
-        path = _cache_dir() / f"{family.name}_{digest}.py"
-        _write_if_changed(path, kernel_source(family, signature))
-        name = f"resfuse_generated.{family.name}_{digest}"
+        digest = hashlib.sha256(f"{family}|{signature}|{TEMPLATE_VERSION}".encode()).hexdigest()[:16]
+        path = _cache_dir() / f"{family}_{digest}.py"
+        _write_if_changed(path, source())
+        name = f"resfuse_generated.{family}_{digest}"
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # Triton resolves the kernel's globals through its module
         spec.loader.exec_module(module)
-        _LOADED[key] = getattr(module, f"resfuse_{family.name}")  # the profiler's name for it
+        _LOADED[key] = getattr(module, f"resfuse_{family}")  # the profiler's name for it
         return _LOADED[key]

@@ -4,7 +4,9 @@ in place of aten.max_pool2d_with_indices and its backward.
 max_pool2d returns (out, indices) as ATen does, with the same layouts; when the graph never reads the indices
 (inference) it skips writing them and returns an empty tensor in their place. max_pool2d_backward is
 aten.max_pool2d_with_indices_backward, optionally followed by relu's gradient (threshold_backward(result, mask,
-threshold)), which the stem's relu -> max-pool puts right after it.
+threshold)), which the stem's relu -> max-pool puts right after it. max_pool2d_epilogue (inference) pools
+epilogue(x), an epilogue taken over from the conv that produced x (the stem's batch norm and relu), without
+writing that value.
 
 Paths, recorded in PATHS: "triton" (kernels/max_pool.py, on CUDA or under the interpreter) or "reference" (ATen).
 """
@@ -16,7 +18,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import library
-from .fused import _record, _use_triton
+from .fused import _finish, _record, _use_triton
 
 aten = torch.ops.aten
 
@@ -64,6 +66,30 @@ def _(x, kernel, stride, padding, dilation, ceil_mode, with_indices, provider):
     # ATen's meta function on the fake input itself (its batch may be symbolic: no cache here)
     out, idx = aten.max_pool2d_with_indices(x, list(kernel), list(stride), list(padding), list(dilation), ceil_mode)
     return torch.empty_like(out), torch.empty_like(idx) if with_indices else idx.new_empty(0)
+
+
+def max_pool2d_epilogue_impl(x: torch.Tensor, operands: list[torch.Tensor], epilogue: str, kernel: Sequence[int],
+                             stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], ceil_mode: bool,
+                             provider: str) -> torch.Tensor:
+    if _use_triton(x.device, provider):
+        from .. import kernels
+
+        _record("max_pool2d", epilogue, "triton")
+        shape, strides, _, _ = _layout_of(x, kernel, stride, padding, dilation, ceil_mode)
+        out = torch.empty_strided(shape, strides, dtype=x.dtype, device=x.device)
+        return kernels.max_pool2d_epilogue(x, operands, epilogue, kernel, stride, padding, dilation, out)
+    _record("max_pool2d", epilogue, "reference")
+    y = _finish(x, torch.empty_like(x), operands, epilogue, 1)
+    return aten.max_pool2d_with_indices(y, list(kernel), list(stride), list(padding), list(dilation), ceil_mode)[0]
+
+
+max_pool2d_epilogue = library.Op("max_pool2d_epilogue", max_pool2d_epilogue_impl)
+
+
+@max_pool2d_epilogue.register_fake
+def _(x, operands, epilogue, kernel, stride, padding, dilation, ceil_mode, provider):
+    out, _ = aten.max_pool2d_with_indices(x, list(kernel), list(stride), list(padding), list(dilation), ceil_mode)
+    return torch.empty_like(out)
 
 
 def max_pool2d_backward_impl(grad_out: torch.Tensor, x: torch.Tensor, indices: torch.Tensor, kernel: Sequence[int],

@@ -7,7 +7,11 @@ memory bandwidth (the stem pool of a ResNet-50 bs256 step: 2.6 ms in ATen). Two 
     as the pooled output's four times over, in fp16);
   - a backward's relu gradient right after the pool's (the stem's relu -> max-pool) is applied as the kernel
     writes grad_input, saving a pass over the largest activation of the net.
-The report lists the rewrites; refusals say why.
+  - an inference pool whose input is a fused conv's output, read by nothing else, computes that conv's epilogue
+    itself when the epilogue is monotone within each channel (the stem's batch norm and relu): the conv runs
+    bare on cuDNN, and its output is written once and read once (kernels/max_pool.py: a window's largest value
+    of the epilogue is its value at the window's largest or smallest input).
+The report lists the rewrites (and the last as a fusion, anchor max_pool2d); refusals say why.
 """
 from __future__ import annotations
 
@@ -16,8 +20,10 @@ import operator
 import torch
 import torch.fx as fx
 
+from .. import epilogue as epi
+from ..ops.fused import groups_of
 from . import legality
-from .group import fake_call
+from .group import TARGET, fake_call, signature
 
 aten = torch.ops.aten
 FORWARD = aten.max_pool2d_with_indices.default
@@ -27,7 +33,7 @@ BACKWARD = aten.max_pool2d_with_indices_backward.default
 def max_pool(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     if not ctx.config.max_pool:
         return gm
-    done, masked = 0, 0
+    done, masked, took = 0, 0, 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in (FORWARD, BACKWARD):
             continue
@@ -39,7 +45,9 @@ def max_pool(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             ctx.reject(node, why)
             continue
         if node.target == FORWARD:
-            why = _forward(node)
+            conv = _conv_epilogue_to_take(node, ctx)
+            why = _forward_with_epilogue(node, conv) if conv is not None else _forward(node)
+            took += conv is not None and why is None
         else:
             why, fused_mask = _backward(node)
             masked += fused_mask
@@ -51,6 +59,7 @@ def max_pool(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         gm.graph.lint()
         gm.recompile()
         extra = f" ({masked} with relu's gradient)" if masked else ""
+        extra += f" ({took} computing the epilogue of the conv before it)" if took else ""
         ctx.report.rewrites.append(f"{ctx.graph} graph: {done} max-pool op(s) on resfuse's kernels{extra}")
     return gm
 
@@ -97,6 +106,47 @@ def _forward(node: fx.Node) -> str | None:
             node.graph.erase_node(u)
     node.target, node.args, node.kwargs = torch.ops.resfuse.max_pool2d.default, args, {}
     node.meta["val"] = fake
+    return None
+
+
+def _conv_epilogue_to_take(node: fx.Node, ctx) -> fx.Node | None:
+    """The fused conv whose epilogue this inference pool can compute instead (the stem's batch norm and relu):
+    the pool is its only reader, and the epilogue is monotone within each channel (epilogue.monotone_refusal)."""
+    x = node.args[0]
+    reads_indices = any(u.users for u in node.users if u.target is operator.getitem and u.args[1] == 1)
+    if ctx.graph != "inference" or reads_indices or not isinstance(x, fx.Node) or len(x.users) != 1:
+        return None
+    if x.target != TARGET["conv2d"] or epi.monotone_refusal(epi.parse(signature(x))) is not None:
+        return None
+    return x
+
+
+def _forward_with_epilogue(node: fx.Node, fused: fx.Node) -> str | None:
+    """conv(epilogue) -> pool  =>  bare conv (cuDNN) -> pool(epilogue): the conv's output is written once, raw,
+    and read once, instead of written raw, read, written through the epilogue and read again (cuDNN wins the
+    stem conv), or written through the epilogue and read (our kernel wins it)."""
+    graph = node.graph
+    inp, weight, operands, sig, stride, padding, dilation, provider = fused.args
+    with graph.inserting_before(fused):
+        conv = graph.call_function(aten.convolution.default, (inp, weight, None, stride, padding, dilation, False,
+                                                              [0, 0], groups_of(legality.val(inp), legality.val(weight))))
+        conv.meta["val"] = fake_call(aten.convolution.default, conv.args)
+        pooled = graph.call_function(torch.ops.resfuse.max_pool2d_epilogue.default,
+                                     (conv, operands, sig, *_params(node.args[1:]), provider))
+        pooled.meta["val"] = fake_call(pooled.target, pooled.args)
+    want = node.meta["val"][0]
+    if not _same_layout(pooled.meta["val"], want):
+        graph.erase_node(pooled)
+        graph.erase_node(conv)
+        return _forward(node)  # without the epilogue
+    pooled.meta["resfuse"] = {"anchor": "max_pool2d", "sources": [*fused.meta["resfuse"]["sources"], node.name],
+                              "signature": sig, "prologue": True}
+    for item in list(node.users):
+        if item.args[1] == 0:
+            item.replace_all_uses_with(pooled)
+        graph.erase_node(item)
+    graph.erase_node(node)
+    graph.erase_node(fused)
     return None
 
 

@@ -91,14 +91,15 @@ class Report:
             info = node.meta.get("resfuse")
             if node.op != "call_function" or info is None:
                 continue
-            sig = signature(node)
+            sig = info.get("signature") or signature(node)
             val = node.meta["val"]
             tree, out = epi.parse(sig), val[0] if isinstance(val, tuple) else val
             ops = epi.pattern_ops(tree)
-            shapes = {"inputs": [_shape(a) for a in node.args[:2]], "out": tuple(out.shape)}
+            shapes = {"inputs": [_shape(a) for a in node.args[:2] if isinstance(a, fx.Node)], "out": tuple(out.shape)}
+            over = legality.val(node.args[0]) if info.get("prologue") else out  # where the epilogue's values lie
             before = {p: n for (op, s, p), n in PATHS.items() if op == info["anchor"] and s == sig}
             self.fusions.append(Fusion(graph, info["anchor"], ops, "_".join([info["anchor"], *ops]),
-                                       info["sources"], shapes, bytes_saved(tree, out), sig,
+                                       info["sources"], shapes, bytes_saved(tree, over), sig,
                                        node.args[-1], before))
             fused_names = set(info["sources"])
             for key in [k for k in self.rejected_by_node if k[0] == graph and k[1] in fused_names]:

@@ -109,3 +109,53 @@ def test_ops_match_aten_layouts_and_run_the_kernels(layout):
     assert dx.stride() == want.stride()
     torch.testing.assert_close(dx, want)
     assert PATHS[("max_pool2d", "", "triton")] == 2 and PATHS[("max_pool2d_backward", "", "triton")] == 1
+
+
+# epilogues monotone within a channel (per-channel operands c0, c1, ...; nc0: per sample and channel), in both
+# directions: a batch norm's scale and the other operands are drawn with either sign
+MONOTONE = ["relu(bn[#1e-05](acc,c0,c1,c2,c3))", "clamp[#0.0,#6.0](add(mul(acc,c0),c1))", "sub(c0,acc)",
+            "sigmoid(div(acc,c0))", "leaky_relu[#0.1](add(acc,nc0))", "tanh(mul(c0,acc))", "hardsigmoid(acc)"]
+
+
+def _operands(tree, out_shape, dtype):
+    from resfuse import epilogue as epi
+
+    ops = []
+    for o in epi.operands(tree):
+        t = torch.randn(out_shape[1]) if o.kind == "c" else torch.randn(out_shape[0], out_shape[1], 1, 1)
+        ops.append(t.to(dtype))
+    if tree.name == "relu" and tree.args[0].name == "bn":  # a variance
+        ops[1] = torch.rand(out_shape[1]).to(dtype) + 0.5
+    return ops
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=problems(), dtype=st.sampled_from(DTYPES), layout=st.sampled_from(["contiguous", "channels_last", "strided"]),
+       values=st.sampled_from(["randn", "ties", "special"]), signature=st.sampled_from(MONOTONE))
+def test_forward_of_a_monotone_epilogue_matches_eager(p, dtype, layout, values, signature):
+    """max_pool2d(epilogue(x)) against ATen in float64 on the epilogue's value: the kernel evaluates the
+    epilogue only at each window's largest and smallest x. NaNs where eager has them (a NaN in the window)."""
+    from resfuse import epilogue as epi
+    from resfuse.ops.fused import _finish
+
+    tree = epi.parse(signature)
+    x = _input(p[0], dtype, layout, values)
+    operands = _operands(tree, x.shape, dtype)
+    y = _finish(x.double(), torch.empty(x.shape, dtype=torch.float64), [o.double() for o in operands], signature, 1)
+    ref, _ = _aten_forward(y, p)
+    out = with_layout(torch.full(ref.shape, float("nan"), dtype=dtype), layout)  # poisoned
+    kernels.max_pool2d_epilogue(x, operands, signature, *p[1:5], out)
+    nan = ref.isnan()
+    assert torch.equal(out.isnan(), nan)
+    assert_close(out.double().masked_fill(nan, 0), ref.masked_fill(nan, 0), dtype)
+
+
+def test_monotone_refusal_names_what_breaks_monotonicity():
+    from resfuse import epilogue as epi
+
+    assert all(epi.monotone_refusal(epi.parse(s)) is None for s in MONOTONE)
+    refused = {"gelu(acc)": "gelu is not monotone", "mul(acc,acc)": "mul of acc with acc",
+               "div(c0,acc)": "a division by acc", "leaky_relu[#-0.5](acc)": "negative slope",
+               "relu(add(acc,full0))": "varies within a channel", "silu(add(acc,c0))": "silu is not monotone"}
+    for sig, why in refused.items():
+        assert why in epi.monotone_refusal(epi.parse(sig)), sig

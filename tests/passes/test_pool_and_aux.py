@@ -149,3 +149,38 @@ def test_the_saved_value_itself_never_becomes_an_operand_of_its_own_op():
     assert not compiled.resfuse_report.errors
     assert ["bias", "save", "sigmoid"] in [f.ops for f in compiled.resfuse_report.fusions]
     assert "computed from the saved pre-activation" in reasons(compiled.resfuse_report)
+
+
+class ConvPool(nn.Module):
+    """conv -> batch norm -> activation -> max-pool; optionally the activation is read by a second consumer."""
+
+    def __init__(self, act, second_reader):
+        super().__init__()
+        self.conv, self.bn, self.act = nn.Conv2d(3, 5, 3, padding=1, bias=False), nn.BatchNorm2d(5), act
+        self.pool, self.second_reader = nn.MaxPool2d(3, 2, 1), second_reader
+        self.bn.running_mean.normal_(), self.bn.running_var.uniform_(0.5, 1.5), self.bn.weight.data.normal_()
+
+    def forward(self, x):
+        y = self.act(self.bn(self.conv(x)))
+        out = self.pool(y).sum((2, 3))
+        return out + y.mean((2, 3)) if self.second_reader else out
+
+
+@pytest.mark.parametrize("act,monotone", [(nn.ReLU(), True), (nn.ReLU6(), True), (nn.Sigmoid(), True),
+                                          (nn.GELU(), False), (nn.SiLU(), False)])
+@pytest.mark.parametrize("second_reader", [False, True])
+def test_an_inference_pool_takes_its_conv_epilogue_when_monotone_and_sole_reader(act, monotone, second_reader):
+    """The pool computes the conv's batch norm and activation (a negative BN scale makes them decreasing in some
+    channels) where the activation is monotone and the pool its only reader; else the conv keeps its epilogue."""
+    torch.manual_seed(11)
+    model = ConvPool(act, second_reader).eval().to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 9, 8).to(memory_format=torch.channels_last)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(model, interpret=True)
+    with torch.no_grad():
+        assert rel(compiled(x), model(x)) < 1e-5
+    patterns = [f.pattern for f in compiled.resfuse_report.fusions]
+    if monotone and not second_reader:
+        assert len(patterns) == 1 and patterns[0].startswith("max_pool2d_bn_"), patterns
+    else:
+        assert len(patterns) == 1 and patterns[0].startswith("conv2d_bn_"), patterns
