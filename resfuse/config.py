@@ -28,7 +28,8 @@ class Config:
      "ATen's, where the fused ops run on Triton.")
     max_pool: bool = True
     ("Run max-pool and its backward on resfuse's Triton kernels instead of ATen's, where the fused ops run on "
-     "Triton; a relu gradient right after the pool's is applied on the way out.")
+     "Triton; a relu gradient right after the pool's is applied on the way out, and an inference pool computes "
+     "the monotone epilogue (batch norm, relu) of the conv it reads.")
     merge_linears: bool = True
     ("Merge linear layers that read the same input (attention's q, k and v) into one wider GEMM, before "
      "aot_autograd, so training's backward gets one data-gradient GEMM for them too.")
