@@ -41,18 +41,23 @@ def _rows(offs, A, B, BIG: tl.constexpr):
 
 
 @triton.jit
+def _output_tile(N, C, OH, OW, SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+                 BIG: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
+    """This program's [BM output pixels, BC channels] tile: (n, oh, ow, channels, which rows and which channels
+    exist, each window's first input row and column)."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    n, oh, ow = _rows(rows, OH, OW, BIG)
+    return n, oh, ow, offs_c, rows < N * OH * OW, offs_c < C, oh * SH - PH, ow * SW - PW
+
+
+@triton.jit
 def max_pool2d_kernel(x, out, idx, N, C, H, W, OH, OW, s_xn, s_xc, s_xh, s_xw, s_on, s_oc, s_oh, s_ow,
                       s_in, s_ic, s_ih, s_iw, KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr,
                       SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
                       WITH_INDICES: tl.constexpr, BIG: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
     """One [BM output pixels, BC channels] tile: the max over each pixel's window, and where it was."""
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
-    row_ok = rows < N * OH * OW
-    ok_c = offs_c < C
-    n, oh, ow = _rows(rows, OH, OW, BIG)
-    ih0 = oh * SH - PH
-    iw0 = ow * SW - PW
+    n, oh, ow, offs_c, row_ok, ok_c, ih0, iw0 = _output_tile(N, C, OH, OW, SH, SW, PH, PW, BIG, BM, BC)
     # the first in-bounds tap of each window: where a window of only -inf points
     first_h = ih0 + ((tl.maximum(-ih0, 0) + DH - 1) // DH) * DH
     first_w = iw0 + ((tl.maximum(-iw0, 0) + DW - 1) // DW) * DW
@@ -125,13 +130,7 @@ def window_extremes(x, N, C, H, W, OH, OW, s_xn, s_xc, s_xh, s_xw, s_on, s_oh, s
                     BC: tl.constexpr):
     """One [BM output pixels, BC channels] tile: the largest and the smallest value of each window (a NaN in
     the window: NaN both), with what an epilogue needs in scope (epilogue.triton_body) and the output offsets."""
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
-    row_ok = rows < N * OH * OW
-    mask_c = offs_c < C
-    n, oh, ow = _rows(rows, OH, OW, BIG)
-    ih0 = oh * SH - PH
-    iw0 = ow * SW - PW
+    n, oh, ow, offs_c, row_ok, mask_c, ih0, iw0 = _output_tile(N, C, OH, OW, SH, SW, PH, PW, BIG, BM, BC)
     hi = tl.full([BM, BC], float("-inf"), tl.float32)
     lo = tl.full([BM, BC], float("inf"), tl.float32)
     x_c = (offs_c * s_xc)[None, :]
