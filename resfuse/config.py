@@ -44,6 +44,9 @@ class Config:
     "Measure again and replace cached tuning entries (force-retune)."
     interpret: bool = False
     "Run the Triton kernels under Triton's interpreter on CPU tensors (tests; env RESFUSE_INTERPRET=1)."
+    pdl: bool = True
+    ("Launch the generated kernels with programmatic dependent launch on Hopper and later (env RESFUSE_PDL=0 turns "
+     "it off): a kernel's programs start while the previous kernel drains and wait for it before touching memory.")
     split_k: int | None = None
     "Force a split-K factor for every GEMM/conv kernel; None lets the heuristic choose."
     cache_dir: str = dataclasses.field(default_factory=_default_cache_dir)
@@ -69,6 +72,8 @@ class Config:
             env["interpret"] = True
         if os.environ.get("RESFUSE_CACHE_DIR"):
             env["cache_dir"] = os.environ["RESFUSE_CACHE_DIR"]
+        if os.environ.get("RESFUSE_PDL", "") == "0":
+            env["pdl"] = False
         if os.environ.get("RESFUSE_DUMP"):
             env["debug_dump"] = os.environ["RESFUSE_DUMP"]
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}

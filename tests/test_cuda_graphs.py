@@ -290,3 +290,45 @@ def test_a_view_at_a_read_in_place_address_does_not_replay_the_wrong_graph(monke
     assert view.data_ptr() == buf.data_ptr()
     for _ in range(3):
         assert torch.equal(wrapped([view])[0], view * 2)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
+def test_dependent_launches_in_a_graph_wait_for_their_producer():
+    """A chain of fused GEMMs, each reading the previous one's output and writing over a buffer the one before
+    it read, replayed from a CUDA graph with programmatic dependent launch on Hopper: every replay equals the
+    float64 chain, so no kernel read its input, or wrote its output, before its producer had finished."""
+    from resfuse import kernels
+    from resfuse.kernels import launch
+
+    kernels.set_options(pdl=True)
+    torch.manual_seed(0)
+    dev, m, n, layers = torch.device("cuda"), 8192, 256, 12
+    ws = [torch.randn(n, n, device=dev, dtype=torch.half) / n ** 0.5 for _ in range(layers)]
+    bs = [torch.randn(n, device=dev, dtype=torch.half) for _ in range(layers)]
+    bufs = [torch.empty(m, n, device=dev, dtype=torch.half) for _ in range(3)]  # reused round-robin
+    sig = "add(relu(add(acc,c0)),full1)"
+
+    def chain(x):
+        bufs[0].copy_(x)
+        for i in range(layers):
+            src, dst = bufs[i % 3], bufs[(i + 1) % 3]
+            launch.gemm(src, ws[i], [bs[i], src], sig, dst)
+        return bufs[layers % 3]
+
+    x = torch.randn(m, n, device=dev, dtype=torch.half)
+    chain(x)  # builds the plans and compiles the kernels outside the capture
+    plan = next(p for k, p in launch._PLANS.items() if k[0] == "gemm" and k[1] == sig)
+    assert plan.meta["PDL"] == (torch.cuda.get_device_capability() >= (9, 0) and launch._pdl_supported(dev))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(x)
+    for _ in range(3):
+        x.copy_(torch.randn(m, n, device=dev, dtype=torch.half))
+        for b in bufs[1:]:
+            b.fill_(float("nan"))
+        graph.replay()
+        ref = x.double()
+        for w, b in zip(ws, bs):
+            ref = torch.relu(ref.half().double() @ w.double() + b.double()) + ref.half().double()
+        assert rel(out.double(), ref) < 2e-3

@@ -125,7 +125,7 @@ def closing_progress(fn, fused: int):
 def make_backend(config: Config, report: Report, run_graph: bool = True):
     # The interpreter is a process-wide Triton mode: a config can turn it on, never off again. Without it,
     # fused ops on CPU tensors take the reference path (PassContext.provider_for).
-    kernels.set_options(cache_dir=config.cache_dir, split_k=config.split_k)
+    kernels.set_options(cache_dir=config.cache_dir, split_k=config.split_k, pdl=config.pdl)
     if config.interpret:
         kernels.set_options(interpret=True)
     if kernels.triton_installed():

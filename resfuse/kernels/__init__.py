@@ -11,7 +11,7 @@ Entry points, called by ops/fused.py:
   batch_norm_train(...), batch_norm_backward(...)    training batch norm (batch_norm.py, batch_norm_bwd.py)
   max_pool2d(...), max_pool2d_backward(...)          max pooling and its gradient (max_pool.py)
   max_pool2d_epilogue(...)                          max pooling of a monotone epilogue's value (max_pool.py)
-  set_options(interpret=..., cache_dir=..., split_k=...)   process-wide, set by resfuse.compile
+  set_options(interpret=..., cache_dir=..., split_k=..., pdl=...)   process-wide, set by resfuse.compile
 
 Triton decides at decoration time whether a kernel is compiled or interpreted, so the interpreter switch is
 process-wide and must be set before the first kernel is built.
@@ -25,7 +25,8 @@ import sys
 import torch
 
 # Triton's own switch (set by a test harness, or by set_options) tells the mode kernels get built in.
-_OPTIONS = {"interpret": os.environ.get("TRITON_INTERPRET", "0") == "1", "cache_dir": None, "split_k": None}
+_OPTIONS = {"interpret": os.environ.get("TRITON_INTERPRET", "0") == "1", "cache_dir": None, "split_k": None,
+            "pdl": True}
 
 
 def set_options(**options) -> None:

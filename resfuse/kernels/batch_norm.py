@@ -295,7 +295,8 @@ def _plan(x, weight, bias, running_mean, running_var, operands, signature, out, 
     head = [m, c, rps, *x3.stride(), y3.stride(0), y3.stride(1), y3.stride(2)]
     meta = {"BM": cfg.block_p, "BN": cfg.block_c, "SPLIT_K": 1, "num_warps": cfg.num_warps}
     apply = Plan(codegen.load(FAMILY, signature), (tiles, 1, 1), head,
-                 operand_strides(signature, operands, y.shape, 1), meta, (tiles, 1, cfg.block_p, cfg.block_c))
+                 operand_strides(signature, operands, y.shape, 1), meta, (tiles, 1, cfg.block_p, cfg.block_c),
+                 y.device)
     finalize_c = min(cfg.block_c, max(1, TILE // cfg.block_r))
     return _BnPlan(m, c, rps, x3.stride(), copy_x, y_format, cfg, tiles_per_split, splits, finalize_c,
                    weight is not None, bias is not None, running_mean is not None, apply)

@@ -17,7 +17,7 @@ import triton
 
 from .. import epilogue as epi
 from ..ops.fused import dense_strides
-from . import codegen, options, split_k
+from . import codegen, options, split_k, tiles
 from .elementwise import FAMILY as EWISE_FAMILY, default_config as ewise_config
 from .conv2d_bwd_data import FAMILY as DGRAD_FAMILY, DgradConfig, DgradProblem, tap_inverse
 from .conv2d_bwd_data import default_config as dgrad_config
@@ -80,14 +80,30 @@ def _gemm_out_view(out: torch.Tensor, batched: bool, m: int, n: int) -> tuple[in
     return m // samples, 0, o3.stride(0), o3.stride(1), o3.stride(2)
 
 
+@functools.lru_cache(maxsize=None)
+def _pdl_supported(device: torch.device) -> bool:
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        return False
+    from triton.backends.nvidia.compiler import CUDAOptions
+    return tiles.gdc_wait is not None and "launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)}
+
+
+def pdl_meta(device: torch.device) -> dict:
+    """The launch options of a generated kernel's PDL switch (codegen.PDL_PROLOGUE): programmatic dependent
+    launch on Hopper and later, when the option is on and the installed triton has it; else off."""
+    on = options()["pdl"] and not options()["interpret"] and _pdl_supported(device)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
 class Plan:
     """Everything about one launch that depends only on shapes, strides, dtypes and the config, computed once
     per such key (the host time per call was mostly this, ~100 us a fused op): the kernel, the grid, the
     scalar arguments and each operand's [S, P, C] strides. A call only fills in the tensors."""
 
     def __init__(self, kernel, grid, head: list, operand_strides: list, meta: dict, ws_shape: tuple,
-                 prepare=None):
-        self.kernel, self.grid, self.head, self.meta, self.ws_shape = kernel, grid, head, meta, ws_shape
+                 device: torch.device, prepare=None):
+        self.kernel, self.grid, self.head, self.ws_shape = kernel, grid, head, ws_shape
+        self.meta = dict(meta, **pdl_meta(device))
         self.operand_strides = operand_strides  # None where the [S, P, C] view is not a view (a copy each call)
         self.prepare = prepare  # the inputs -> what the kernel takes for them (TMA descriptors), or None
 
@@ -133,7 +149,8 @@ def _check_aux(signature: str, out: torch.Tensor, aux: torch.Tensor | None) -> N
 
 
 def plan_key(*parts) -> tuple:
-    return tuple((p.shape, p.stride(), p.dtype, p.device) if isinstance(p, torch.Tensor) else p for p in parts)
+    key = tuple((p.shape, p.stride(), p.dtype, p.device) if isinstance(p, torch.Tensor) else p for p in parts)
+    return (*key, options()["pdl"])
 
 
 def operand_strides(signature: str, operands, out_shape, channel_dim: int) -> list:
@@ -187,7 +204,7 @@ def _gemm_plan(a, b, operands, signature, out, config) -> Plan | None:
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return Plan(codegen.load(GEMM_FAMILY, signature), (tiles_mn, batch, split), head,
                 operand_strides(signature, operands, out.shape, -1), meta,
-                (tiles_mn * batch, split, cfg.block_m, cfg.block_n))
+                (tiles_mn * batch, split, cfg.block_m, cfg.block_n), out.device)
 
 
 def _tma_plan(as_matrices, inputs, operands, signature, out, channel_dim, cfg, split, tiles_mn, out_view) -> Plan:
@@ -212,9 +229,10 @@ def _tma_plan(as_matrices, inputs, operands, signature, out, channel_dim, cfg, s
     if cfg.persistent and split == 1:
         programs = min(tiles_mn, cfg.persistent * sm_count(a.device))
         return Plan(codegen.load(PERSISTENT_FAMILY, signature), (programs, 1, 1),
-                    [m, n, k, rps, s_os, s_om, tiles_mn, s_on], strides, meta, (tiles_mn, 1, bm, bn), descriptors)
+                    [m, n, k, rps, s_os, s_om, tiles_mn, s_on], strides, meta, (tiles_mn, 1, bm, bn), out.device,
+                    descriptors)
     return Plan(codegen.load(GEMM_TMA_FAMILY, signature), (tiles_mn, 1, split), [m, n, k, rps, s_os, s_om, s_on],
-                strides, dict(meta, WS=cfg.ws), (tiles_mn, split, bm, bn), descriptors)
+                strides, dict(meta, WS=cfg.ws), (tiles_mn, split, bm, bn), out.device, descriptors)
 
 
 def conv_as_gemm(x: torch.Tensor, w: torch.Tensor, stride, padding, out_strides):
@@ -283,7 +301,8 @@ def _conv_plan(x, w, operands, signature, stride, padding, dilation, out, config
     meta = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split, FLAT=cfg.flat,
                 PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return Plan(codegen.load(CONV_FAMILY, signature), (tiles, 1, split), head,
-                operand_strides(signature, operands, out.shape, 1), meta, (tiles, split, cfg.block_m, cfg.block_n))
+                operand_strides(signature, operands, out.shape, 1), meta, (tiles, split, cfg.block_m, cfg.block_n),
+                out.device)
 
 
 def _depthwise_plan(x, w, operands, signature, stride, padding, dilation, out, config) -> Plan | None:
@@ -304,7 +323,8 @@ def _depthwise_plan(x, w, operands, signature, stride, padding, dilation, out, c
     meta = dict(BM=cfg.block_m, BN=cfg.block_n, BH=cfg.block_h, BW=cfg.block_w, S=s, VEC=vec, SPLIT_K=1,
                 num_warps=cfg.num_warps)
     return Plan(codegen.load(DEPTHWISE_FAMILY, signature), (tiles, 1, 1), head,
-                operand_strides(signature, operands, out.shape, 1), meta, (tiles, 1, cfg.block_m, cfg.block_n))
+                operand_strides(signature, operands, out.shape, 1), meta, (tiles, 1, cfg.block_m, cfg.block_n),
+                out.device)
 
 
 def _tma_conv_plan(x, w, operands, signature, out, cfg, split, padding, dilation) -> Plan:
@@ -328,7 +348,8 @@ def _tma_conv_plan(x, w, operands, signature, out, cfg, split, padding, dilation
     meta = dict(BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, SPLIT_K=split, BH=bh, BW=bw, PRECISION=_precision(x.dtype),
                 WS=cfg.ws, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return Plan(codegen.load(CONV_TMA_FAMILY, signature), (tiles, 1, split), head,
-                operand_strides(signature, operands, out.shape, 1), meta, (tiles, split, bm, bn), descriptors)
+                operand_strides(signature, operands, out.shape, 1), meta, (tiles, split, bm, bn), out.device,
+                descriptors)
 
 
 def conv2d_dgrad(grad_out: torch.Tensor, w: torch.Tensor, operands, signature: str, stride, padding, dilation,
@@ -376,7 +397,7 @@ def _dgrad_plan(grad_out, w, operands, signature, stride, padding, dilation, out
                 PRECISION=_precision(w.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return Plan(codegen.load(DGRAD_FAMILY, signature), (tiles, phases, split), head,
                 operand_strides(signature, operands, out.shape, 1), meta,
-                (tiles * phases, split, cfg.block_m, cfg.block_n))
+                (tiles * phases, split, cfg.block_m, cfg.block_n), out.device)
 
 
 def epilogue(acc: torch.Tensor, operands, signature: str, out: torch.Tensor, channel_dim: int,
@@ -407,4 +428,5 @@ def _ewise_plan(acc, operands, signature, out, channel_dim) -> Plan | None:
     head = [s * p, c, p, *acc3.stride(), out3.stride(0), out3.stride(1), out3.stride(2)]
     meta = dict(BM=cfg.block_m, BN=cfg.block_n, SPLIT_K=1, num_warps=cfg.num_warps)
     return Plan(codegen.load(EWISE_FAMILY, signature), (tiles, 1, 1), head,
-                operand_strides(signature, operands, out.shape, channel_dim), meta, (tiles, 1, cfg.block_m, cfg.block_n))
+                operand_strides(signature, operands, out.shape, channel_dim), meta, (tiles, 1, cfg.block_m, cfg.block_n),
+                out.device)

@@ -2,7 +2,8 @@
 
 Entry points: `swizzle_tile(pid, tiles_m, tiles_n, GROUP_M)`, `k_range(pid_k, blocks, SPLIT_K)`, `mma` and `cdiv`,
 called by matmul.py and conv2d_fprop.py so that both families order their tiles and split their reduction the
-same way.
+same way; `gdc_wait` and `gdc_launch_dependents`, Triton's griddepcontrol builtins (None on an older triton),
+for the generated kernels (codegen.PDL_PROLOGUE).
 
 Kernels here use Triton builtins only, never triton.language.standard's @jit helpers (tl.cdiv, tl.sum, and
 since triton 3.7 tl.zeros: use tl.full): those are decorated when triton is first imported, so if that
@@ -13,6 +14,11 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+try:  # griddepcontrol (programmatic dependent launch), Hopper and later; launch.pdl_meta checks for it
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # an older triton: PDL stays off, and the kernels' `if PDL:` branch is compiled out
+    gdc_launch_dependents = gdc_wait = None
 
 
 @triton.jit

@@ -17,7 +17,28 @@ def test_generated_source_is_cached_on_disk_and_in_process():
     assert any(f"Epilogue: {sig}" in t for t in texts)
     src = codegen.kernel_source(matmul.FAMILY, sig)
     assert "gemm_mainloop(" in src and "split_k_reduce(" in src and "tl.store(out" in src
+    # under PDL the kernel waits for its producer before the mainloop's first load
+    assert src.index("gdc_wait()") < src.index("gemm_mainloop(") and "PDL: tl.constexpr" in src
     compile(src, "generated", "exec")
+
+
+def test_dependent_launch_is_off_where_it_cannot_run():
+    """PDL needs a Hopper GPU and compiled kernels: the interpreter's plans take the PDL-free branch, and turning
+    the option off rebuilds the plans (it is part of their key)."""
+    from resfuse.kernels import launch
+
+    assert launch.pdl_meta(torch.device("cpu")) == {"PDL": False}
+    a, b = torch.randn(5, 7), torch.randn(7, 3)
+    out = torch.full((5, 3), float("nan"))
+    key_on = launch.plan_key("gemm", a, b)
+    launch.gemm(a, b, [], "relu(acc)", out)
+    assert not next(reversed(launch._PLANS.values())).meta["PDL"]
+    torch.testing.assert_close(out, torch.relu(a @ b), rtol=1e-4, atol=1e-4)
+    kernels.set_options(pdl=False)
+    try:
+        assert launch.plan_key("gemm", a, b) != key_on
+    finally:
+        kernels.set_options(pdl=True)
 
 
 def test_interpret_switch_is_refused_after_kernels_are_built():
