@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import resfuse  # noqa: E402
 from resfuse.bench import models, timing  # noqa: E402
+from resfuse.capture.cuda_graphs import CudaGraphed  # noqa: E402
 
 
 def host_us(fn, x, calls=50) -> float:
@@ -40,14 +41,21 @@ def host_us(fn, x, calls=50) -> float:
     return sorted(times)[len(times) // 2] * 1e6
 
 
+def _is_graphed(obj) -> bool:
+    try:
+        return isinstance(obj, CudaGraphed) and bool(obj.captures)
+    except ReferenceError:  # a weakref proxy whose object is gone
+        return False
+
+
 def step_us(calls=50) -> dict:
     """Median host us of CudaGraphed's whole replaying call, and of each of its steps, on the first graph found
     among live objects: the input check (and its parts), the input copies, the replay, the outputs' copies
     (each started on an idle GPU)."""
     from resfuse.capture import cuda_graphs
-    from resfuse.capture.cuda_graphs import CudaGraphed, _masked, _same_addresses, _signature
+    from resfuse.capture.cuda_graphs import _masked, _same_addresses, _signature
 
-    graphed = next(o for o in gc.get_objects() if isinstance(o, CudaGraphed) and o.captures)
+    graphed = next(o for o in gc.get_objects() if _is_graphed(o))
     cap = next(iter(graphed.captures.values()))
     args = tuple(cap.static)
     print("replays:", cap.replays(args), "C++ address check:",

@@ -74,6 +74,7 @@ def peers():
         "resfuse-no-ato": lambda m: resfuse.compile(m, fuse_add_to_output=False),
         "resfuse+graphs-no-ato": lambda m: resfuse.compile(m, cuda_graphs=True, fuse_add_to_output=False),
         "resfuse+graphs-eager-rest": lambda m: resfuse.compile(m, cuda_graphs=True, remainder="eager"),
+        "resfuse+graphs-no-pdl": lambda m: resfuse.compile(m, cuda_graphs=True, pdl=False),
     }
 
 

@@ -38,8 +38,8 @@ from .. import epilogue as epi
 from . import codegen
 from .codegen import Family
 from .elementwise import ewise_mainloop
-from .launch import Plan, operand_strides, plan_key, sm_count
-from .tiles import cdiv
+from .launch import Plan, operand_strides, pdl_meta, plan_key, sm_count
+from .tiles import cdiv, dependent_launch
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -60,8 +60,9 @@ def _row_offsets(rows, RPS, s_s, s_p):
 
 @triton.jit
 def bn_partials_kernel(x, ws, M, C, RPS, s_xs, s_xp, s_xc, TILES_PER_SPLIT, SPLITS,
-                       BP: tl.constexpr, BC: tl.constexpr):
+                       BP: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
     """(mean, M2) of one split of rows for BC channels, into ws[2C + {0, SPLITS*C} + split*C + c]."""
+    dependent_launch(PDL)
     pid_r = tl.program_id(0)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     ok_c = offs_c < C
@@ -95,8 +96,9 @@ def bn_partials_kernel(x, ws, M, C, RPS, s_xs, s_xp, s_xc, TILES_PER_SPLIT, SPLI
 def bn_finalize_kernel(ws, save_mean, save_invstd, w, b, rm, rv, rm_out, rv_out,
                        M, C, SPLITS, ROWS_PER_SPLIT, momentum, eps,
                        BC: tl.constexpr, BR: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                       HAS_RUNNING: tl.constexpr):
+                       HAS_RUNNING: tl.constexpr, PDL: tl.constexpr):
     """Merge the splits' (mean, M2) for BC channels; write the statistics and ws[0:C] = scale, ws[C:2C] = shift."""
+    dependent_launch(PDL)
     offs_c = tl.program_id(0) * BC + tl.arange(0, BC)
     ok_c = offs_c < C
     part = ws + 2 * C
@@ -242,12 +244,13 @@ class _BnPlan:
         cfg = self.cfg
         bn_partials_kernel[(self.splits, triton.cdiv(self.c, cfg.block_c))](
             x, ws, self.m, self.c, self.rps, *self.x_strides, self.tiles_per_split, self.splits,
-            BP=cfg.block_p, BC=cfg.block_c, num_warps=cfg.num_warps)
+            BP=cfg.block_p, BC=cfg.block_c, num_warps=cfg.num_warps, **pdl_meta(x.device))
         bn_finalize_kernel[(triton.cdiv(self.c, self.finalize_c),)](
             ws, save_mean, save_invstd, *(t if t is not None else ws for t in (weight, bias, running_mean,
                                                                                  running_var, rm_out, rv_out)),
             self.m, self.c, self.splits, self.tiles_per_split * cfg.block_p, float(momentum), float(eps),
-            BC=self.finalize_c, BR=cfg.block_r, HAS_W=self.has_w, HAS_B=self.has_b, HAS_RUNNING=self.has_running)
+            BC=self.finalize_c, BR=cfg.block_r, HAS_W=self.has_w, HAS_B=self.has_b, HAS_RUNNING=self.has_running,
+            **pdl_meta(x.device))
         self.apply.launch((x, save_mean, ws), y, operands, signature, y.shape, 1)
         return y, save_mean, save_invstd, rm_out, rv_out
 

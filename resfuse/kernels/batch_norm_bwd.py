@@ -29,15 +29,16 @@ import triton.language as tl
 
 from .. import epilogue as epi
 from .batch_norm import _DTYPES, TILE, BnConfig, _is_view3, _row_offsets, _sum_rows, row_splits
-from .launch import plan_key
-from .tiles import cdiv
+from .launch import pdl_meta, plan_key
+from .tiles import cdiv, dependent_launch
 
 
 
 @triton.jit
 def bnb_partials_kernel(g, x, mean, ws, M, C, RPS, s_gs, s_gp, s_gc, s_xs, s_xp, s_xc, TILES_PER_SPLIT, SPLITS,
-                        BP: tl.constexpr, BC: tl.constexpr):
+                        BP: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
     """sum(g) and sum(g * (x - mean)) of one split of rows for BC channels, into ws[3C + {0, SPLITS*C} + split*C + c]."""
+    dependent_launch(PDL)
     pid_r = tl.program_id(0)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     ok_c = offs_c < C
@@ -63,8 +64,9 @@ def bnb_partials_kernel(g, x, mean, ws, M, C, RPS, s_gs, s_gp, s_gc, s_xs, s_xp,
 @triton.jit
 def bnb_finalize_kernel(ws, invstd, w, grad_w, grad_b, M, C, SPLITS,
                         BC: tl.constexpr, BR: tl.constexpr, HAS_W: tl.constexpr, WANT_W: tl.constexpr,
-                        WANT_B: tl.constexpr):
+                        WANT_B: tl.constexpr, PDL: tl.constexpr):
     """Add the splits up for BC channels; write the parameter gradients and ws[0:3C] = (a, b, c)."""
+    dependent_launch(PDL)
     offs_c = tl.program_id(0) * BC + tl.arange(0, BC)
     ok_c = offs_c < C
     part = ws + 3 * C
@@ -93,8 +95,9 @@ def bnb_finalize_kernel(ws, invstd, w, grad_w, grad_b, M, C, SPLITS,
 
 @triton.jit
 def bnb_apply_kernel(g, x, mean, ws, dx, M, C, RPS, s_gs, s_gp, s_gc, s_xs, s_xp, s_xc, s_os, s_op, s_oc,
-                     BP: tl.constexpr, BC: tl.constexpr):
+                     BP: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
     """grad_input = a * g + b * (x - mean) + c for a BP x BC tile."""
+    dependent_launch(PDL)
     rows = tl.program_id(0) * BP + tl.arange(0, BP)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     ok_c = offs_c < C
@@ -136,15 +139,15 @@ class _BnbPlan:
         cfg, blocks_c = self.cfg, triton.cdiv(self.c, self.cfg.block_c)
         bnb_partials_kernel[(self.splits, blocks_c)](
             g, x, save_mean, ws, self.m, self.c, self.rps, *self.strides[:6], self.tiles_per_split, self.splits,
-            BP=cfg.block_p, BC=cfg.block_c, num_warps=cfg.num_warps)
+            BP=cfg.block_p, BC=cfg.block_c, num_warps=cfg.num_warps, **pdl_meta(g.device))
         bnb_finalize_kernel[(triton.cdiv(self.c, self.finalize_c),)](
             ws, save_invstd, *(t if t is not None else ws for t in (weight, grad_w, grad_b)), self.m, self.c,
             self.splits, BC=self.finalize_c, BR=cfg.block_r, HAS_W=weight is not None, WANT_W=bool(mask[1]),
-            WANT_B=bool(mask[2]))
+            WANT_B=bool(mask[2]), **pdl_meta(g.device))
         if mask[0]:
             bnb_apply_kernel[(triton.cdiv(self.m, cfg.block_p), blocks_c)](
                 g, x, save_mean, ws, dx, self.m, self.c, self.rps, *self.strides, BP=cfg.block_p, BC=cfg.block_c,
-                num_warps=cfg.num_warps)
+                num_warps=cfg.num_warps, **pdl_meta(g.device))
         return (dx if mask[0] else None), grad_w, grad_b
 
 

@@ -2,8 +2,7 @@
 
 Entry points: `swizzle_tile(pid, tiles_m, tiles_n, GROUP_M)`, `k_range(pid_k, blocks, SPLIT_K)`, `mma` and `cdiv`,
 called by matmul.py and conv2d_fprop.py so that both families order their tiles and split their reduction the
-same way; `gdc_wait` and `gdc_launch_dependents`, Triton's griddepcontrol builtins (None on an older triton),
-for the generated kernels (codegen.PDL_PROLOGUE).
+same way; `dependent_launch(PDL)`, every kernel's first statement (programmatic dependent launch).
 
 Kernels here use Triton builtins only, never triton.language.standard's @jit helpers (tl.cdiv, tl.sum, and
 since triton 3.7 tl.zeros: use tl.full): those are decorated when triton is first imported, so if that
@@ -19,6 +18,16 @@ try:  # griddepcontrol (programmatic dependent launch), Hopper and later; launch
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # an older triton: PDL stays off, and the kernels' `if PDL:` branch is compiled out
     gdc_launch_dependents = gdc_wait = None
+
+
+@triton.jit
+def dependent_launch(PDL: tl.constexpr):
+    """A kernel's first statement. Under programmatic dependent launch (launch.pdl_meta) its programs may start
+    while the previous kernel drains: wait for that kernel, its writes visible, before any load or store (it
+    may still read the buffer this kernel writes), then let the next kernel's programs launch."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit

@@ -18,7 +18,7 @@ def test_generated_source_is_cached_on_disk_and_in_process():
     src = codegen.kernel_source(matmul.FAMILY, sig)
     assert "gemm_mainloop(" in src and "split_k_reduce(" in src and "tl.store(out" in src
     # under PDL the kernel waits for its producer before the mainloop's first load
-    assert src.index("gdc_wait()") < src.index("gemm_mainloop(") and "PDL: tl.constexpr" in src
+    assert src.index("dependent_launch(PDL)") < src.index("gemm_mainloop(") and "PDL: tl.constexpr" in src
     compile(src, "generated", "exec")
 
 
