@@ -126,9 +126,10 @@ def run_job(name: str, batch: int, iters: int, profile: bool = False, only=()) -
     base, data, loss_fn = MODELS[name](batch)
     rows = {}
     ref_grads = None
-    for peer, wrap in peers().items():
-        if only and peer not in only:
-            continue
+    for peer in only or peers():
+        wrap = peers()[peer]
+        if peer in rows:  # a peer named again (an A/B repeated): its own row
+            peer = f"{peer} #{sum(p.split(' #')[0] == peer for p in rows) + 1}"
         torch._dynamo.reset()
         model = copy.deepcopy(base).train()
         compiled = wrap(model)
@@ -192,7 +193,8 @@ def main():
     p.add_argument("--jobs", default="resnet50:64,resnet50:256,bert:32")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--profile", action="store_true", help="top CUDA kernels and host ops of each peer's step")
-    p.add_argument("--peers", default="", help="comma list of peers to run (default all; eager first for the grads)")
+    p.add_argument("--peers", default="", help="comma list of peers to run, in this order, a name given twice runs "
+                   "twice (default all; the first peer's gradients are the reference)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     results = []
