@@ -12,8 +12,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-import triton
-
 from ..kernels import conv2d_bwd_data, conv2d_depthwise, conv2d_fprop, launch, matmul
 from ..kernels.launch import sm_count
 
@@ -71,25 +69,6 @@ def _tma_readable(call) -> bool:
     return False
 
 
-def deeper_splits(op: str, p, cfg) -> list[int]:
-    """Split-K factors beyond the heuristic's for a GEMM or conv whose tiles fill under half the machine.
-
-    At batch 1 a deep layer's few tiles read all its weights through a few SMs (ResNet-50's 512>2048 1x1 conv:
-    16 programs, 2 MB); the heuristic keeps 4 reduction blocks a split, these go down to one."""
-    if op == "gemm":
-        tiles = p.batch * triton.cdiv(p.m, cfg.block_m) * triton.cdiv(p.n, cfg.block_n)
-        blocks = triton.cdiv(p.k, cfg.block_k)
-    elif op == "conv2d":
-        tiles = triton.cdiv(p.m, cfg.block_m) * triton.cdiv(p.k, cfg.block_n)
-        blocks = (triton.cdiv(p.r * p.s * p.c, cfg.block_k) if cfg.flat
-                  else p.r * p.s * triton.cdiv(p.c, cfg.block_k))
-    else:
-        return []
-    if tiles * 2 > p.sms:
-        return []
-    return sorted({s for s in (min(f * cfg.split_k, blocks, 16) for f in (2, 4)) if s > cfg.split_k})
-
-
 def configs(call, level: str) -> list:
     if level not in LEVELS:
         raise ValueError(f"tuning level {level!r}: one of {LEVELS}")
@@ -111,8 +90,6 @@ def configs(call, level: str) -> list:
                              for bm, bn, nw, ns in FAST_TILES]
         if default.split_k > 1:
             found.append(dataclasses.replace(default, split_k=1, **({"tma": True} if tma else {})))
-        found += [dataclasses.replace(default, split_k=s, **({"tma": True} if tma else {}))
-                  for s in deeper_splits(call.op, p, default)]
         if tma:
             found.append(dataclasses.replace(default, tma=True))
             found += [dataclasses.replace(c, persistent=2) for c in found
