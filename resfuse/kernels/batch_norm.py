@@ -229,6 +229,7 @@ class _BnPlan:
     has_b: bool
     has_running: bool
     apply: Plan
+    pdl: dict  # launch.pdl_meta's options for the statistics kernels
 
     def run(self, x, weight, bias, running_mean, running_var, operands, signature, momentum, eps, out):
         y = out if out is not None else torch.empty_like(x, memory_format=self.y_format)
@@ -244,13 +245,13 @@ class _BnPlan:
         cfg = self.cfg
         bn_partials_kernel[(self.splits, triton.cdiv(self.c, cfg.block_c))](
             x, ws, self.m, self.c, self.rps, *self.x_strides, self.tiles_per_split, self.splits,
-            BP=cfg.block_p, BC=cfg.block_c, num_warps=cfg.num_warps, **pdl_meta(x.device))
+            BP=cfg.block_p, BC=cfg.block_c, num_warps=cfg.num_warps, **self.pdl)
         bn_finalize_kernel[(triton.cdiv(self.c, self.finalize_c),)](
             ws, save_mean, save_invstd, *(t if t is not None else ws for t in (weight, bias, running_mean,
                                                                                  running_var, rm_out, rv_out)),
             self.m, self.c, self.splits, self.tiles_per_split * cfg.block_p, float(momentum), float(eps),
             BC=self.finalize_c, BR=cfg.block_r, HAS_W=self.has_w, HAS_B=self.has_b, HAS_RUNNING=self.has_running,
-            **pdl_meta(x.device))
+            **self.pdl)
         self.apply.launch((x, save_mean, ws), y, operands, signature, y.shape, 1)
         return y, save_mean, save_invstd, rm_out, rv_out
 
@@ -302,7 +303,7 @@ def _plan(x, weight, bias, running_mean, running_var, operands, signature, out, 
                  y.device)
     finalize_c = min(cfg.block_c, max(1, TILE // cfg.block_r))
     return _BnPlan(m, c, rps, x3.stride(), copy_x, y_format, cfg, tiles_per_split, splits, finalize_c,
-                   weight is not None, bias is not None, running_mean is not None, apply)
+                   weight is not None, bias is not None, running_mean is not None, apply, pdl_meta(x.device))
 
 
 def row_splits(x3: torch.Tensor, device: torch.device, config: BnConfig | None) -> tuple:

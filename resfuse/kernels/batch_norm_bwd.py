@@ -128,6 +128,7 @@ class _BnbPlan:
     splits: int
     finalize_c: int
     grad_dtype: torch.dtype
+    pdl: dict  # launch.pdl_meta's options for the three kernels
 
     def run(self, g, x, weight, save_mean, save_invstd, mask, dx):
         g = g.contiguous() if self.copy[0] else g
@@ -139,15 +140,15 @@ class _BnbPlan:
         cfg, blocks_c = self.cfg, triton.cdiv(self.c, self.cfg.block_c)
         bnb_partials_kernel[(self.splits, blocks_c)](
             g, x, save_mean, ws, self.m, self.c, self.rps, *self.strides[:6], self.tiles_per_split, self.splits,
-            BP=cfg.block_p, BC=cfg.block_c, num_warps=cfg.num_warps, **pdl_meta(g.device))
+            BP=cfg.block_p, BC=cfg.block_c, num_warps=cfg.num_warps, **self.pdl)
         bnb_finalize_kernel[(triton.cdiv(self.c, self.finalize_c),)](
             ws, save_invstd, *(t if t is not None else ws for t in (weight, grad_w, grad_b)), self.m, self.c,
             self.splits, BC=self.finalize_c, BR=cfg.block_r, HAS_W=weight is not None, WANT_W=bool(mask[1]),
-            WANT_B=bool(mask[2]), **pdl_meta(g.device))
+            WANT_B=bool(mask[2]), **self.pdl)
         if mask[0]:
             bnb_apply_kernel[(triton.cdiv(self.m, cfg.block_p), blocks_c)](
                 g, x, save_mean, ws, dx, self.m, self.c, self.rps, *self.strides, BP=cfg.block_p, BC=cfg.block_c,
-                num_warps=cfg.num_warps, **pdl_meta(g.device))
+                num_warps=cfg.num_warps, **self.pdl)
         return (dx if mask[0] else None), grad_w, grad_b
 
 
@@ -197,4 +198,4 @@ def _plan(g, x, weight, save_mean, save_invstd, mask, dx, config) -> _BnbPlan:
     finalize_c = min(cfg.block_c, max(1, TILE // cfg.block_r))
     grad_dtype = weight.dtype if weight is not None else x.dtype  # what aten returns
     return _BnbPlan(m, c, rps, copy, (*g3.stride(), *x3.stride(), *o3.stride()), cfg, tiles_per_split, splits,
-                    finalize_c, grad_dtype)
+                    finalize_c, grad_dtype, pdl_meta(x.device))

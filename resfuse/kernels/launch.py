@@ -89,8 +89,8 @@ def _pdl_supported(device: torch.device) -> bool:
 
 
 def pdl_meta(device: torch.device) -> dict:
-    """The launch options of a generated kernel's PDL switch (codegen.PDL_PROLOGUE): programmatic dependent
-    launch on Hopper and later, when the option is on and the installed triton has it; else off."""
+    """The launch options of a kernel's PDL switch (its first statement, tiles.dependent_launch): programmatic
+    dependent launch on Hopper and later, when the option is on and the installed triton has it; else off."""
     on = options()["pdl"] and not options()["interpret"] and _pdl_supported(device)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
