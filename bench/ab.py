@@ -96,6 +96,7 @@ def main():
             continue
         name, _, batch = item.rpartition(":")
         results.append(run_job(name, int(batch), peers, args.iters))
+        Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "ab.json").write_text(json.dumps(results, indent=1))
     print(f"\n{'job':24s}" + "".join(f"{peer[:22]:>24s}" for peer in peers))
     for r in results:

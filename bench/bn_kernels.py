@@ -148,6 +148,7 @@ def main():
         row["count"] = count
         rows.append(row)
         print(json.dumps(row), flush=True)
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bn_kernels.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "batch": args.batch, "dtype": args.dtype, "rows": rows},
                   f, indent=1)

@@ -202,6 +202,7 @@ def main():
         name, batch = job.split(":")
         only = tuple(p for p in args.peers.split(",") if p)
         results.append(run_job(name, int(batch), args.iters, args.profile, only))
+        Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "train.json").write_text(json.dumps(results, indent=1))
     print(f"\n{'job':16s} {'peer':22s} {'ms':>9s} {'vs compile':>10s} {'peak GB':>8s} {'reserved':>8s} "
           f"{'grad err':>9s} first s")

@@ -73,17 +73,24 @@ def bn_partials_kernel(x, ws, M, C, RPS, s_xs, s_xp, s_xc, TILES_PER_SPLIT, SPLI
     # standard deviations of the mean): the sums then add numbers of the spread's size, not of the mean's,
     # and sum(d^2) - sum(d)^2 / n cancels little. The loop only loads and adds into per-lane registers
     # (a tile's reduction per step left the loads latency-bound); the lanes are summed once at the end.
+    # Two tiles a step, both loads issued before either is used: Triton does not pipeline a loop whose loads
+    # feed no dot, and one tile in flight a program left the pass at 2.2 TB/s on an H100.
     pivot = tl.load(x + _row_offsets(t_lo * BP, RPS, s_xs, s_xp) + cols, mask=ok_c, other=0.0).to(tl.float32)
+    row_hi = tl.minimum(t_hi * BP, M)
     s1 = tl.full([BP, BC], 0.0, dtype=tl.float32)
     s2 = tl.full([BP, BC], 0.0, dtype=tl.float32)
-    for t in range(t_lo, t_hi):
-        rows = t * BP + tl.arange(0, BP)
-        ok = (rows < M)[:, None] & ok_c[None, :]
-        v = tl.load(x + _row_offsets(rows, RPS, s_xs, s_xp)[:, None] + cols[None, :], mask=ok, other=0.0)
-        d = tl.where(ok, v.to(tl.float32) - pivot[None, :], 0.0)
-        s1 += d
-        s2 += d * d
-    n = (tl.minimum(t_hi * BP, M) - t_lo * BP).to(tl.float32)
+    for t in range(t_lo, t_hi, 2):
+        rows_a = t * BP + tl.arange(0, BP)
+        rows_b = rows_a + BP
+        ok_a = (rows_a < row_hi)[:, None] & ok_c[None, :]
+        ok_b = (rows_b < row_hi)[:, None] & ok_c[None, :]
+        va = tl.load(x + _row_offsets(rows_a, RPS, s_xs, s_xp)[:, None] + cols[None, :], mask=ok_a, other=0.0)
+        vb = tl.load(x + _row_offsets(rows_b, RPS, s_xs, s_xp)[:, None] + cols[None, :], mask=ok_b, other=0.0)
+        da = tl.where(ok_a, va.to(tl.float32) - pivot[None, :], 0.0)
+        db = tl.where(ok_b, vb.to(tl.float32) - pivot[None, :], 0.0)
+        s1 += da + db
+        s2 += da * da + db * db
+    n = (row_hi - t_lo * BP).to(tl.float32)
     sum1 = _sum_rows(s1)
     mean = sum1 / n
     m2 = tl.maximum(_sum_rows(s2) - sum1 * mean, 0.0)

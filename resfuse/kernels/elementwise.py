@@ -2,6 +2,10 @@
 one generated kernel applies the whole epilogue to it. The "aten+epilogue" provider, torch.compile's way of
 fusing, which the tuner weighs against our fused kernels and the fully unfused baseline.
 
+The tiles run from the last rows to the first. The producer (a conv or GEMM) writes its rows from the first to
+the last, so the last are the ones still in L2 (50 MB on an H100); and the consumer, which reads from the first
+rows, finds this pass's last writes there too.
+
 Entry points: `ewise_mainloop` (@triton.jit, wrapped by codegen.py), `FAMILY`, `EwiseConfig`, `default_config`.
 """
 from __future__ import annotations
@@ -18,10 +22,10 @@ from .tiles import cdiv
 @triton.jit
 def ewise_mainloop(src, M, N, RPS, s_ss, s_sp, s_sc, s_os, s_op,
                    BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Load one [BM, BN] tile of the [S, P, C] source as the fp32 accumulator; rows run over S * P."""
+    """Load one [BM, BN] tile of the [S, P, C] source as the fp32 accumulator; rows run over S * P, last first."""
     pid = tl.program_id(0)
     tiles_n = cdiv(N, BN)
-    offs_m = (pid // tiles_n) * BM + tl.arange(0, BM)
+    offs_m = (cdiv(M, BM) - 1 - pid // tiles_n) * BM + tl.arange(0, BM)
     offs_n = (pid % tiles_n) * BN + tl.arange(0, BN)
     s_idx = offs_m // RPS
     p_idx = offs_m % RPS
