@@ -25,6 +25,10 @@ r0 = ((ph + pad)/g * inv) mod step with inv the inverse of dil/g mod step (tap_i
 none when g does not divide ph + pad. The j-th such tap reads grad_out row hq + d0 - j*dil/g. Stride 1 is
 the single phase 0 with every tap, oh = h + pad - r*dil: the plain correlation with the flipped filter.
 groups=1 only.
+
+A 1x1, stride-1, unpadded dgrad on a channels_last grad_out is the plain GEMM grad_out [N*H*W, K] @ W [K, C]:
+with `tma` in its config it runs the GEMM family's TMA or persistent mainloop instead (launch.dgrad_as_gemm),
+as the forward 1x1 conv does.
 """
 from __future__ import annotations
 
@@ -132,6 +136,10 @@ class DgradProblem:
     stride_w: int
     dtype_bytes: int
     sms: int  # streaming multiprocessors on the device (1 under the interpreter)
+
+    @property
+    def batch(self) -> int:  # GemmConfig.check's batch of matrices: a dgrad is one (its 1x1 case a plain GEMM)
+        return 1
 
     @property
     def phases(self) -> int:

@@ -247,6 +247,12 @@ def conv_as_gemm(x: torch.Tensor, w: torch.Tensor, stride, padding, out_strides)
     return (a, b) if tma_operands(a, b) is not None else None
 
 
+def dgrad_as_gemm(grad_out: torch.Tensor, w: torch.Tensor, stride, padding, out_strides):
+    """(grad_out, w) -> (A [N*H*W, K], B [K, C]) views when a conv's data gradient is a plain GEMM that TMA
+    descriptors can read: the forward conv's GEMM with the weight transposed (conv_as_gemm's conditions)."""
+    return conv_as_gemm(grad_out, w.transpose(0, 1), stride, padding, out_strides)
+
+
 def conv_tma_operands(x: torch.Tensor, w: torch.Tensor, stride) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(x as NHWC, w as KRSC) views when conv2d_tma_mainloop can read them through descriptors: stride 1,
     groups 1, channels_last input and weight, channel rows 16-byte aligned; else None."""
@@ -359,6 +365,8 @@ def conv2d_dgrad(grad_out: torch.Tensor, w: torch.Tensor, operands, signature: s
     grad_out is [N, K, OH, OW], w the forward weight [K, C, R, S], out the preallocated grad_input [N, C, H, W]:
     its H and W (the forward input's) settle what a strided conv's output size leaves open. Any strides.
     """
+    if config is not None and config.tma and dgrad_as_gemm(grad_out, w, stride, padding, out.stride()) is None:
+        config = dataclasses.replace(config, tma=False)  # not a plain GEMM: the implicit-GEMM mainloop
     key = plan_key("conv2d_dgrad", signature, tuple(stride), tuple(padding), tuple(dilation), config,
                options()["split_k"], grad_out, w, out, *operands)
     return _cached_launch(
@@ -389,8 +397,11 @@ def _dgrad_plan(grad_out, w, operands, signature, stride, padding, dilation, out
     phases = stride[0] * stride[1]
     tiles = (triton.cdiv(nb * triton.cdiv(h, stride[0]) * triton.cdiv(wd, stride[1]), cfg.block_m)
              * triton.cdiv(c, cfg.block_n))
-    (gcd_h, inv_h), (gcd_w, inv_w) = tap_inverse(stride[0], dilation[0]), tap_inverse(stride[1], dilation[1])
     s_on, s_oc, s_oh, s_ow = out.stride()
+    if cfg.tma and dgrad_as_gemm(grad_out, w, stride, padding, out.stride()) is not None:  # a 1x1 dgrad
+        return _tma_plan(lambda g, w: dgrad_as_gemm(g, w, stride, padding, out.stride()), (grad_out, w), operands,
+                         signature, out, 1, cfg, split, tiles, (h * wd, s_on, s_ow, s_oc))
+    (gcd_h, inv_h), (gcd_w, inv_w) = tap_inverse(stride[0], dilation[0]), tap_inverse(stride[1], dilation[1])
     head = [nb, h, wd, c, ko, oh, ow, r, s, *grad_out.stride(), *w.stride(), s_on, s_oh, s_ow,
             stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1], gcd_h, gcd_w, inv_h, inv_w, s_oc]
     meta = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split,

@@ -18,10 +18,10 @@ from ..kernels.launch import sm_count
 # (block_m, block_n, num_warps, num_stages) tried by "fast", besides the heuristic default
 FAST_TILES = ((128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4), (128, 256, 8, 3), (256, 128, 8, 3),
               (64, 64, 4, 4))
-# For a GEMM or 1x1 conv whose operands TMA descriptors can read, those tiles run on the TMA mainloop, and the
-# default runs on both: every TMA twin beat its pointer twin on the three such cases of `bench/kernels.py --sweep`
-# (H200, fp16 with the epilogue: BERT qkv 37.4 -> 32.2 us, ffn1 133.5 -> 116.6, ResNet 1x1 64>256 tail at bs32
-# 80.2 -> 54.2, best against best), so the pointer twins would only cost compiles.
+# For a GEMM, 1x1 conv or 1x1 dgrad whose operands TMA descriptors can read, those tiles run on the TMA
+# mainloop, and the default runs on both: every TMA twin beat its pointer twin on the three such cases of
+# `bench/kernels.py --sweep` (H200, fp16 with the epilogue: BERT qkv 37.4 -> 32.2 us, ffn1 133.5 -> 116.6, ResNet
+# 1x1 64>256 tail at bs32 80.2 -> 54.2, best against best), so the pointer twins would only cost compiles.
 # Tiles whose TMA configs "fast" also offers persistent (2 programs an SM, matmul.PERSISTENT_FAMILY): the
 # best persistent config of `bench/persistent.py` on each of its cases (H100, bs256 ResNet-50 1x1 convs and
 # ConvNeXt/BERT GEMMs) used one of these, and beat the best one-tile-per-program config by up to 1.31x.
@@ -63,6 +63,8 @@ def problem(call):
 def _tma_readable(call) -> bool:
     if call.op == "gemm":
         return launch.tma_operands(*call.inputs) is not None
+    if call.op == "conv2d_dgrad":
+        return launch.dgrad_as_gemm(*call.inputs, *call.params[:2], call.out.strides) is not None
     if call.op == "conv2d":
         return (launch.conv_as_gemm(*call.inputs, *call.params[:2], call.out.strides) is not None
                 or launch.conv_tma_operands(*call.inputs, call.params[0]) is not None)
@@ -84,7 +86,7 @@ def configs(call, level: str) -> list:
     elif family is conv2d_depthwise:
         found = conv2d_depthwise.fast_configs(default)
     else:
-        tma = call.op in ("gemm", "conv2d") and _tma_readable(call)
+        tma = _tma_readable(call)
         found = [default] + [dataclasses.replace(default, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns,
                                                  **({"tma": True} if tma else {}))
                              for bm, bn, nw, ns in FAST_TILES]

@@ -5,7 +5,7 @@ import torch
 from hypothesis import assume, given, settings, strategies as st
 
 from resfuse import epilogue as epi
-from resfuse.kernels import conv2d_bwd_data, launch
+from resfuse.kernels import codegen, conv2d_bwd_data, launch
 
 from .epilogues import assert_close, forced_split, make_operand, reference, trees, with_layout
 
@@ -151,6 +151,32 @@ def test_split_k_matches_and_is_bit_identical(r, stride, pad):
         if split in runs:
             assert torch.equal(out, runs[split]), f"split_k={split} is not deterministic"
         runs[split] = out
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from(DTYPES), n=st.integers(1, 3), c=st.sampled_from([8, 16, 24, 40, 20, 37]),
+       k8=st.integers(1, 5),
+       hw=pair(st.integers(1, 9), st.integers(1, 9)), w_layout=st.sampled_from(["contiguous", "channels_last"]),
+       out_layout=st.sampled_from([torch.channels_last, torch.contiguous_format]), split=st.sampled_from([1, 2, 3]),
+       tile=st.sampled_from([(16, 16, 16), (32, 16, 32), (16, 32, 16)]), persistent=st.sampled_from([0, 1, 2]))
+def test_1x1_dgrad_on_the_gemm_tma_mainloop(data, dtype, n, c, k8, hw, w_layout, out_layout, split, tile, persistent):
+    """A 1x1 stride-1 dgrad of a channels_last grad_out is the GEMM [N*H*W, K] @ W [K, C]: with tma=True it runs
+    the GEMM's TMA mainloop (persistent > 0: the persistent kernel), its epilogue rows per sample, into either
+    output layout."""
+    k = 8 * k8  # 16-byte grad_out rows for every dtype
+    tree, roles = data.draw(trees())
+    grad_out, w, in_shape = _problem(n, c, k, hw, (1, 1), (1, 1), (0, 0), (1, 1), dtype, "channels_last", w_layout)
+    layouts = data.draw(st.lists(st.integers(0, 2), min_size=len(roles), max_size=len(roles)))
+    operands = [make_operand(role, kind, in_shape, 1, dtype, lay) for (kind, role), lay in zip(roles, layouts)]
+    out = torch.full(in_shape, float("nan"), dtype=dtype).contiguous(memory_format=out_layout)
+    tma = launch.dgrad_as_gemm(grad_out, w, [1, 1], [0, 0], out.stride()) is not None
+    assert tma == (c * w.element_size() % 16 == 0)  # a misaligned weight row keeps the implicit-GEMM mainloop
+    cfg = conv2d_bwd_data.DgradConfig(*tile, group_m=2, split_k=1 if persistent else split, num_warps=4,
+                                      num_stages=2, tma=True, persistent=persistent)
+    launch.conv2d_dgrad(grad_out, w, operands, str(tree), [1, 1], [0, 0], [1, 1], out, cfg)
+    family = "gemm_tma_persistent" if persistent else "gemm_tma"
+    assert ((family, str(tree)) in codegen._LOADED) or not tma  # not the fallback
+    _check(out, grad_out, w, tree, operands, (1, 1), (0, 0), (1, 1), dtype)
 
 
 def test_plan_is_reused():

@@ -48,3 +48,20 @@ def test_stride_1_channels_last_convs_get_tma_variants_and_the_others_do_not():
         assert any(c.persistent for c in offered) == (call is one)
     assert not any(c.tma for c in space.configs(conv_call(x, w3, [1, 1], stride=2), "fast"))
     assert not any(c.tma for c in space.configs(conv_call(x.contiguous(), w3, [1, 1]), "fast"))
+
+
+def test_1x1_dgrads_get_tma_and_persistent_variants_and_the_others_do_not():
+    def dgrad_call(grad_out, w, stride, padding, hw):
+        out = Output.of([grad_out.shape[0], w.shape[1], *hw], grad_out.dtype, grad_out.device, torch.channels_last)
+        return Call("conv2d_dgrad", (grad_out, w), [], "acc", ([stride, stride], padding, [1, 1]), out)
+
+    cl = torch.channels_last
+    g = torch.randn(2, 64, 7, 7).half().contiguous(memory_format=cl)
+    one = space.configs(dgrad_call(g, torch.randn(64, 256, 1, 1).half(), 1, [0, 0], (7, 7)), "fast")
+    assert [c.tma for c in one].count(False) == 1 and any(c.persistent for c in one)
+    assert all(c.split_k == 1 for c in one if c.persistent)
+    w3 = torch.randn(64, 64, 3, 3).half().contiguous(memory_format=cl)
+    for call in (dgrad_call(g, w3, 1, [1, 1], (7, 7)),  # 3x3: the implicit-GEMM mainloop only
+                 dgrad_call(g, torch.randn(64, 256, 1, 1).half(), 2, [0, 0], (13, 13)),  # the strided downsample
+                 dgrad_call(g.contiguous(), torch.randn(64, 256, 1, 1).half(), 1, [0, 0], (7, 7))):  # NCHW grad_out
+        assert not any(c.tma or c.persistent for c in space.configs(call, "fast"))
