@@ -6,8 +6,8 @@ the skip gradient's add and relu's backward (`threshold_bwd(add(acc, full0), ful
 relu's backward (`threshold_bwd(acc, full0)`). For each such shape (channels_last fp16) this times, in a CUDA
 graph as the tuner does, every candidate the "fast" level offers: the GEMM TMA and persistent configs (the 1x1
 dgrad as grad_out [N*H*W, K] @ W [K, C]), our implicit-GEMM dgrad at the same tiles (what "fast" offered before),
-cuDNN's dgrad + our epilogue kernel, and ATen's unfused ops. Prints the best of each kind per shape and the per-step total (each shape times
-its count in the net); every candidate's time goes to DIR/dgrad_1x1.json.
+cuDNN's dgrad + our epilogue kernel, and ATen's unfused ops. Prints the best of each kind per shape and the
+per-step total (each shape times its count in the net); every candidate's time goes to DIR/dgrad_1x1.json.
 """
 from __future__ import annotations
 
@@ -77,9 +77,9 @@ def main():
                for _ in range(sig.count("full"))]
         ops[-1] = ops[-1].relu()  # relu's output: the mask
         call = choose.Call("conv2d_dgrad", (g, w), ops, sig, ([1, 1], [0, 0], [1, 1]),
-                           Output.of(list(shape), f16, torch.device(dev), cl))
+                           Output.of(list(shape), f16, g.device, cl))
         cands = providers.candidates(call, "fast") + implicit_twins(call)
-        choose.compile_in_parallel(cands, torch.device(dev))
+        choose.compile_in_parallel(cands, g.device)
         best = {}
         for cand in cands:
             try:
