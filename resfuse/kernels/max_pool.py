@@ -94,8 +94,10 @@ def max_pool2d_backward_kernel(g, idx, dx, m, N, C, H, W, OH, OW, s_gn, s_gc, s_
                                MASK: tl.constexpr, BIG: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
                                PDL: tl.constexpr):
     """One [BM input pixels, BC channels] tile of grad_input: the sum of the gradients of the windows whose
-    index points here. Window (oh, ow) covers ih when ih = oh * SH - PH + kh * DH for a tap kh. The pooling's
-    geometry is constexpr, so the divisions by the stride are shifts or multiplications."""
+    index points here, in ascending (oh, ow) as ATen adds them. Without dilation the windows that cover ih are
+    the ceil(KH / SH) ones up to (ih + PH) // SH: a 3x3 stride-2 pool visits 4, not one per tap (9). With
+    dilation, window oh covers ih when ih = oh * SH - PH + kh * DH for a tap kh. The pooling's geometry is
+    constexpr, so the divisions by the stride are shifts or multiplications."""
     dependent_launch(PDL)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -104,17 +106,26 @@ def max_pool2d_backward_kernel(g, idx, dx, m, N, C, H, W, OH, OW, s_gn, s_gc, s_
     n, ih, iw = _rows(rows, H, W, BIG)
     here = (ih * W + iw).to(tl.int64)[:, None]
     acc = tl.full([BM, BC], 0.0, tl.float32)  # not tl.zeros: a @jit helper (tiles.py)
-    for i in tl.static_range(KH):
-        kh = KH - 1 - i  # windows in ascending oh, as ATen adds them
-        oh_s = ih + PH - kh * DH
-        oh = oh_s // SH
-        ok_h = (oh_s >= 0) & (oh_s - oh * SH == 0) & (oh < OH)
-        for j in tl.static_range(KW):
-            kw = KW - 1 - j
-            ow_s = iw + PW - kw * DW
-            ow = ow_s // SW
-            inside = row_ok & ok_h & (ow_s >= 0) & (ow_s - ow * SW == 0) & (ow < OW)
-            ok = inside[:, None] & ok_c[None, :]
+    DENSE: tl.constexpr = DH == 1 and DW == 1
+    NH: tl.constexpr = (KH + SH - 1) // SH if DENSE else KH
+    NW: tl.constexpr = (KW + SW - 1) // SW if DENSE else KW
+    for i in tl.static_range(NH):
+        if DENSE:
+            oh = (ih + PH) // SH - (NH - 1) + i
+            ok_h = (oh >= 0) & (oh < OH) & (oh * SH - PH + KH > ih)
+        else:
+            oh_s = ih + PH - (KH - 1 - i) * DH  # taps descending: windows ascending
+            oh = oh_s // SH
+            ok_h = (oh_s >= 0) & (oh_s - oh * SH == 0) & (oh < OH)
+        for j in tl.static_range(NW):
+            if DENSE:
+                ow = (iw + PW) // SW - (NW - 1) + j
+                ok_w = (ow >= 0) & (ow < OW) & (ow * SW - PW + KW > iw)
+            else:
+                ow_s = iw + PW - (KW - 1 - j) * DW
+                ow = ow_s // SW
+                ok_w = (ow_s >= 0) & (ow_s - ow * SW == 0) & (ow < OW)
+            ok = (row_ok & ok_h & ok_w)[:, None] & ok_c[None, :]
             chosen = tl.load(idx + (n * s_in + oh * s_ih + ow * s_iw)[:, None] + (offs_c * s_ic)[None, :],
                              mask=ok, other=-1)
             gv = tl.load(g + (n * s_gn + oh * s_gh + ow * s_gw)[:, None] + (offs_c * s_gc)[None, :],
