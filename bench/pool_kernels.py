@@ -95,6 +95,7 @@ def main():
     args = p.parse_args()
     global SWEEP
     SWEEP = args.sweep
+    os.makedirs(args.out, exist_ok=True)
     rows = [r for b in args.batch for r in one_batch(b, DTYPES[args.dtype])]
     with open(os.path.join(args.out, "pool_kernels.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "dtype": args.dtype, "rows": rows}, f, indent=1)
