@@ -297,8 +297,8 @@ def _conv_plan(x, w, operands, signature, stride, padding, dilation, out, config
     split = _split(cfg.split_k)
     tiles = triton.cdiv(nb * oh * ow, cfg.block_m) * triton.cdiv(ko, cfg.block_n)
     s_on, s_ok, s_oh, s_ow = out.stride()
-    if cfg.tma and conv_as_gemm(x, w, stride, padding, out.stride()) is not None:  # a 1x1 conv as a GEMM
-        out_strides = out.stride()  # not `out` itself: the cached plan would keep it alive
+    out_strides = out.stride()  # what the descriptors' closure keeps, not `out`: the cached plan would keep it alive
+    if cfg.tma and conv_as_gemm(x, w, stride, padding, out_strides) is not None:  # a 1x1 conv as a GEMM
         return _tma_plan(lambda x, w: conv_as_gemm(x, w, stride, padding, out_strides), (x, w), operands,
                          signature, out, 1, cfg, split, tiles, (oh * ow, s_on, s_ow, s_ok))
     if cfg.tma and conv_tma_operands(x, w, stride) is not None:
@@ -399,8 +399,8 @@ def _dgrad_plan(grad_out, w, operands, signature, stride, padding, dilation, out
     tiles = (triton.cdiv(nb * triton.cdiv(h, stride[0]) * triton.cdiv(wd, stride[1]), cfg.block_m)
              * triton.cdiv(c, cfg.block_n))
     s_on, s_oc, s_oh, s_ow = out.stride()
-    if cfg.tma and dgrad_as_gemm(grad_out, w, stride, padding, out.stride()) is not None:  # a 1x1 dgrad
-        out_strides = out.stride()  # as in _conv_plan
+    out_strides = out.stride()  # as in _conv_plan
+    if cfg.tma and dgrad_as_gemm(grad_out, w, stride, padding, out_strides) is not None:  # a 1x1 dgrad
         return _tma_plan(lambda g, w: dgrad_as_gemm(g, w, stride, padding, out_strides), (grad_out, w), operands,
                          signature, out, 1, cfg, split, tiles, (h * wd, s_on, s_ow, s_oc))
     (gcd_h, inv_h), (gcd_w, inv_w) = tap_inverse(stride[0], dilation[0]), tap_inverse(stride[1], dilation[1])
