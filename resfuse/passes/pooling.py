@@ -46,8 +46,8 @@ def max_pool(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             continue
         if node.target == FORWARD:
             conv = _conv_epilogue_to_take(node, ctx)
-            why = _forward_with_epilogue(node, conv) if conv is not None else _forward(node)
-            took += conv is not None and why is None
+            why, taken = _forward_with_epilogue(node, conv) if conv is not None else (_forward(node), False)
+            took += taken
         else:
             why, fused_mask = _backward(node)
             masked += fused_mask
@@ -121,10 +121,11 @@ def _conv_epilogue_to_take(node: fx.Node, ctx) -> fx.Node | None:
     return x
 
 
-def _forward_with_epilogue(node: fx.Node, fused: fx.Node) -> str | None:
+def _forward_with_epilogue(node: fx.Node, fused: fx.Node) -> tuple[str | None, bool]:
     """conv(epilogue) -> pool  =>  bare conv (cuDNN) -> pool(epilogue): the conv's output is written once, raw,
     and read once, instead of written raw, read, written through the epilogue and read again (cuDNN wins the
-    stem conv), or written through the epilogue and read (our kernel wins it)."""
+    stem conv), or written through the epilogue and read (our kernel wins it). Returns (why not rewritten at
+    all, whether the pool took the epilogue): a layout the pooled epilogue cannot give keeps the fused conv."""
     graph = node.graph
     inp, weight, operands, sig, stride, padding, dilation, provider = fused.args
     with graph.inserting_before(fused):
@@ -138,7 +139,7 @@ def _forward_with_epilogue(node: fx.Node, fused: fx.Node) -> str | None:
     if not _same_layout(pooled.meta["val"], want):
         graph.erase_node(pooled)
         graph.erase_node(conv)
-        return _forward(node)  # without the epilogue
+        return _forward(node), False  # without the epilogue
     pooled.meta["resfuse"] = {"anchor": "max_pool2d", "sources": [*fused.meta["resfuse"]["sources"], node.name],
                               "signature": sig, "prologue": True}
     for item in list(node.users):
@@ -147,7 +148,7 @@ def _forward_with_epilogue(node: fx.Node, fused: fx.Node) -> str | None:
         graph.erase_node(item)
     graph.erase_node(node)
     graph.erase_node(fused)
-    return None
+    return None, True
 
 
 def _backward(node: fx.Node) -> tuple[str | None, bool]:
