@@ -26,6 +26,9 @@ class Config:
     batch_norm_backward: bool = True
     ("Run training's batch-norm backward on resfuse's Triton kernel (three deterministic passes) instead of "
      "ATen's, where the fused ops run on Triton.")
+    bn_backward_sums: bool = True
+    ("Compute batch-norm backward's per-channel sums in the epilogue of the conv data gradient that produces its "
+     "grad_out (with batch_norm_backward), instead of in a pass of their own over grad_out and x.")
     max_pool: bool = True
     ("Run max-pool and its backward on resfuse's Triton kernels instead of ATen's, where the fused ops run on "
      "Triton; a relu gradient right after the pool's is applied on the way out, and an inference pool computes "

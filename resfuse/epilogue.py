@@ -7,6 +7,7 @@ vector "c", a per-(sample, channel) vector "nc", or a "full" tensor with its own
   pattern_ops()         the op labels from the accumulator outwards, e.g. ["bn", "add", "relu"];
   reference()           the math in torch, on [samples, rows, channels] views (see rows3);
   aux_value()           the subtree an "aux" node marks: its value is the op's second output (training saves it);
+  stats_node()          a root "bn_stats" node: the op also reduces batch-norm backward's two sums per channel;
   triton_body()         Triton source that loads the operands and computes the tree.
 
 Every fused output is seen as a [S, P, C] array: S samples, P rows per sample, C channels. A conv output
@@ -130,6 +131,10 @@ OPS: dict[str, OpSpec] = {
     # the value of its argument, which the fused op also stores to its second output, the aux output: the
     # pre-activation that a training graph saves for the activation's backward (at most one per tree)
     "aux": OpSpec(1, lambda x: x, lambda x: x),
+    # the value of its first argument g, a batch norm's output gradient; the op also reduces, per channel, sum(g)
+    # and sum(g * (x - mean)) over the g it stores (rounded to the output dtype), x and mean its second and third
+    # arguments: the partial sums of that batch norm's backward (kernels/batch_norm_bwd.py). Only ever the root.
+    "bn_stats": OpSpec(3, lambda g, x, mean: g, lambda g, x, mean: g),
     # inference batch norm over per-channel mean, var, weight, bias; params: eps
     "bn": OpSpec(5, lambda x, m, v, w, b, eps: _bn_ref(x, m, v, w, b, eps),
                  lambda x, m, v, w, b, eps: f"(({x} - {m}) * tl.rsqrt({v} + {eps!r}) * {w} + {b})"),
@@ -163,7 +168,8 @@ def label(op: Op) -> str:
         return "bias"
     if op.name == "clamp":
         return "relu6" if tuple(op.params) == (0.0, 6.0) else "clamp"
-    return {"gelu_tanh": "gelu", "threshold_bwd": "drelu", "float32": "to_fp32", "aux": "save"}.get(op.name, op.name)
+    return {"gelu_tanh": "gelu", "threshold_bwd": "drelu", "float32": "to_fp32", "aux": "save",
+            "bn_stats": "bn_sums"}.get(op.name, op.name)
 
 
 def pattern_ops(node: Node) -> list[str]:
@@ -189,6 +195,20 @@ def aux_value(node: Node) -> Node | None:
     if node.name == "aux":
         return node.args[0]
     return next((v for v in map(aux_value, node.args) if v is not None), None)
+
+
+def stats_node(tree: Node) -> Op | None:
+    """The root bn_stats node, or None (the op then has no statistics output)."""
+    return tree if isinstance(tree, Op) and tree.name == "bn_stats" else None
+
+
+def stats_reference(tree: Node, y3: torch.Tensor, ops3: list[torch.Tensor]) -> torch.Tensor:
+    """The [2, C] sums a bn_stats root asks for, from the op's stored output y3 ([S, P, C]), in fp32 or wider."""
+    x_node, mean_node = tree.args[1:]
+    g = y3.to(torch.promote_types(y3.dtype, torch.float32)).reshape(-1, y3.shape[-1])
+    x = ops3[x_node.slot].to(g.dtype).reshape(-1, y3.shape[-1])
+    mean = ops3[mean_node.slot][0, 0].to(g.dtype)
+    return torch.stack([g.sum(0), (g * (x - mean)).sum(0)])
 
 
 MONOTONE = frozenset({"add", "sub", "mul", "div", "bn", "relu", "clamp", "leaky_relu", "sigmoid", "tanh",

@@ -121,8 +121,9 @@ def test_batched_product_viewed_as_4d_keeps_its_view_outside():
 
 def test_grouped_and_depthwise_convs_fuse_forward_and_data_gradient():
     """A grouped (groups=4) and a depthwise conv in a training step: their forward epilogues and their data
-    gradients (with relu's gradient and the skip-gradient add) fuse and run cuDNN + our epilogue kernel (ATen's
-    conv on CPU), while the groups=1 ops run our kernels; gradients equal eager's."""
+    gradients (with relu's gradient, the skip-gradient add and the sums of the batch norm before them) fuse and
+    run cuDNN + our epilogue kernel (ATen's conv on CPU), while the groups=1 ops run our kernels; gradients equal
+    eager's."""
     import copy
 
     class Grouped(torch.nn.Module):
@@ -155,8 +156,8 @@ def test_grouped_and_depthwise_convs_fuse_forward_and_data_gradient():
         assert err(p, r) <= 10 * err(q, r) + 1e-6, name
     dgrads = {f.shapes["inputs"][1][1]: (f.ops, f.ran) for f in compiled.resfuse_report.fusions
               if f.anchor == "conv2d_dgrad"}
-    assert dgrads[1] == (["drelu"], "epilogue")  # depthwise: weight [8, 1, 3, 3]
-    assert dgrads[2] == (["add", "drelu"], "epilogue")  # groups=4, absorbing the skip-gradient add
+    assert dgrads[1] == (["drelu", "bn_sums"], "epilogue")  # depthwise: weight [8, 1, 3, 3]
+    assert dgrads[2] == (["add", "drelu", "bn_sums"], "epilogue")  # groups=4, absorbing the skip-gradient add
 
 
 class _Stem(torch.nn.Module):

@@ -3,11 +3,13 @@
 Entry points, called by ops/fused.py:
   available(device)                                  can a kernel run on this device now?
   conv2d(x, w, operands, signature, stride, padding, dilation, out, config=None, aux=None) -> out
-  conv2d_dgrad(grad_out, w, operands, signature, stride, padding, dilation, out, config=None) -> out
+  conv2d_dgrad(grad_out, w, operands, signature, stride, padding, dilation, out, config=None, stats=None) -> out
                                                      grad_input of conv2d(input, w), with the epilogue
+                                                     (stats: fp32 [2, C] sums of an epilogue's bn_stats root)
   gemm(a, b, operands, signature, out, config=None, aux=None) -> out
                                                      (aux: the second output of an epilogue with an aux node)
-  epilogue(acc, operands, signature, out, channel_dim) -> out   the epilogue alone, on an ATen result
+  epilogue(acc, operands, signature, out, channel_dim, aux=None, stats=None) -> out
+                                                     the epilogue alone, on an ATen result
   batch_norm_train(...), batch_norm_backward(...)    training batch norm (batch_norm.py, batch_norm_bwd.py)
   max_pool2d(...), max_pool2d_backward(...)          max pooling and its gradient (max_pool.py)
   max_pool2d_epilogue(...)                          max pooling of a monotone epilogue's value (max_pool.py)
@@ -75,14 +77,14 @@ def conv2d(x, w, operands, signature, stride, padding, dilation, out, config=Non
     return run(x, w, operands, signature, stride, padding, dilation, out, config, aux)
 
 
-def conv2d_dgrad(grad_out, w, operands, signature, stride, padding, dilation, out, config=None):
+def conv2d_dgrad(grad_out, w, operands, signature, stride, padding, dilation, out, config=None, stats=None):
     from .launch import conv2d_dgrad as run
-    return run(grad_out, w, operands, signature, stride, padding, dilation, out, config)
+    return run(grad_out, w, operands, signature, stride, padding, dilation, out, config, stats)
 
 
-def epilogue(acc, operands, signature, out, channel_dim, aux=None):
+def epilogue(acc, operands, signature, out, channel_dim, aux=None, stats=None):
     from .launch import epilogue as run
-    return run(acc, operands, signature, out, channel_dim, aux)
+    return run(acc, operands, signature, out, channel_dim, aux, stats)
 
 
 def gemm(a, b, operands, signature, out, config=None, aux=None):
@@ -97,10 +99,12 @@ def batch_norm_train(x, weight, bias, running_mean, running_var, operands, signa
     return run(x, weight, bias, running_mean, running_var, operands, signature, momentum, eps, out, config)
 
 
-def batch_norm_backward(grad_out, x, weight, save_mean, save_invstd, output_mask, grad_input=None, config=None):
-    """Training batch-norm backward -> (grad_input, grad_weight, grad_bias), None where output_mask is False."""
+def batch_norm_backward(grad_out, x, weight, save_mean, save_invstd, output_mask, grad_input=None, config=None,
+                        sums=None):
+    """Training batch-norm backward -> (grad_input, grad_weight, grad_bias), None where output_mask is False.
+    `sums`: fp32 [2, C] sum(grad_out) and sum(grad_out * (x - save_mean)) when its producer computed them."""
     from .batch_norm_bwd import batch_norm_backward as run
-    return run(grad_out, x, weight, save_mean, save_invstd, output_mask, grad_input, config)
+    return run(grad_out, x, weight, save_mean, save_invstd, output_mask, grad_input, config, sums)
 
 
 def max_pool2d(x, kernel, stride, padding, dilation, out, indices=None):

@@ -1,14 +1,22 @@
 """@triton.jit activation helpers that the generated epilogues call by name (epilogue.py's op table emits the
 call; codegen.py imports every name in HELPERS into each generated kernel's module).
 
-Entry point: `gelu_erf(x)`.
+Entry points: `gelu_erf(x)`, `sum_rows(t)`.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-HELPERS = ("gelu_erf",)
+HELPERS = ("gelu_erf", "sum_rows")
+
+
+@triton.jit
+def sum_rows(t):
+    """The column sums of a 2-D tile. tl.sum is a @jit helper decorated at triton's import (see tiles.py); its
+    combine function is not called under the interpreter (which runs it as one np.sum), so reducing with it is
+    safe in both modes."""
+    return tl.reduce(t, 0, tl.standard._sum_combine)
 
 
 @triton.jit

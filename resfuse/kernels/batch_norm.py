@@ -37,6 +37,7 @@ import triton.language as tl
 from .. import epilogue as epi
 from . import codegen
 from .codegen import Family
+from .activations import sum_rows
 from .elementwise import ewise_mainloop
 from .launch import Plan, operand_strides, pdl_meta, plan_key, sm_count
 from .tiles import cdiv, dependent_launch
@@ -45,13 +46,6 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 # ---- kernels -------------------------------------------------------------------------------------------
-@triton.jit
-def _sum_rows(t):
-    # tl.sum is a @jit helper decorated at triton's import (see tiles.py); its combine function is not called
-    # under the interpreter (which runs it as one np.sum), so reducing with it is safe in both modes.
-    return tl.reduce(t, 0, tl.standard._sum_combine)
-
-
 @triton.jit
 def _row_offsets(rows, RPS, s_s, s_p):
     """Element offsets of [S, P, C] rows given as flat indices over S * P."""
@@ -92,9 +86,9 @@ def bn_partials_kernel(x, ws, M, C, RPS, s_xs, s_xp, s_xc, TILES_PER_SPLIT, SPLI
         s1 += da + db
         s2 += da * da + db * db
     n = (row_hi - t_lo * BP).to(tl.float32)
-    sum1 = _sum_rows(s1)
+    sum1 = sum_rows(s1)
     mean = sum1 / n
-    m2 = tl.maximum(_sum_rows(s2) - sum1 * mean, 0.0)
+    m2 = tl.maximum(sum_rows(s2) - sum1 * mean, 0.0)
     out = ws + 2 * C + pid_r * C + offs_c
     tl.store(out, pivot + mean, mask=ok_c)
     tl.store(out + SPLITS * C, m2, mask=ok_c)
@@ -119,7 +113,7 @@ def bn_finalize_kernel(ws, save_mean, save_invstd, w, b, rm, rv, rm_out, rv_out,
         n_r = tl.minimum(M - r * ROWS_PER_SPLIT, ROWS_PER_SPLIT).to(tl.float32)
         mean_r = tl.load(part + r[:, None] * C + offs_c[None, :], mask=ok, other=0.0)
         acc += tl.where(ok, n_r[:, None] * (mean_r - pivot[None, :]), 0.0)
-    shift_mean = _sum_rows(acc) / M
+    shift_mean = sum_rows(acc) / M
     # pass 2: M2 = sum M2_i + sum n_i (mean_i - mean)^2
     acc = tl.full([BR, BC], 0.0, dtype=tl.float32)
     for r0 in range(0, SPLITS, BR):
@@ -129,7 +123,7 @@ def bn_finalize_kernel(ws, save_mean, save_invstd, w, b, rm, rv, rm_out, rv_out,
         at = part + r[:, None] * C + offs_c[None, :]
         dev = tl.load(at, mask=ok, other=0.0) - pivot[None, :] - shift_mean[None, :]
         acc += tl.where(ok, tl.load(at + SPLITS * C, mask=ok, other=0.0) + n_r[:, None] * dev * dev, 0.0)
-    m2 = _sum_rows(acc)
+    m2 = sum_rows(acc)
     mean = pivot + shift_mean
     invstd = 1.0 / tl.sqrt_rn(m2 / M + eps)
     tl.store(save_mean + offs_c, mean, mask=ok_c)
@@ -156,14 +150,14 @@ def bn_finalize_kernel(ws, save_mean, save_invstd, w, b, rm, rv, rm_out, rv_out,
 def bn_apply_mainloop(src, mean, affine, M, N, RPS, s_ss, s_sp, s_sc, s_os, s_op,
                       BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr):
     """The elementwise family's tile load, normalized: acc = (x - mean) * scale + shift (codegen's contract)."""
-    acc, tile, pid_k, s_idx, p_idx, row_ok, out_rows, offs_c = ewise_mainloop(
+    acc, tile, pid_k, s_idx, p_idx, row_ok, out_rows, offs_c, row_block = ewise_mainloop(
         src, M, N, RPS, s_ss, s_sp, s_sc, s_os, s_op, BM, BN, SPLIT_K)
     ok = offs_c < N
     mu = tl.load(mean + offs_c, mask=ok, other=0.0)
     scale = tl.load(affine + offs_c, mask=ok, other=0.0)
     shift = tl.load(affine + N + offs_c, mask=ok, other=0.0)
     acc = (acc - mu[None, :]) * scale[None, :] + shift[None, :]
-    return acc, tile, pid_k, s_idx, p_idx, row_ok, out_rows, offs_c
+    return acc, tile, pid_k, s_idx, p_idx, row_ok, out_rows, offs_c, row_block
 
 
 FAMILY = Family(

@@ -2,8 +2,8 @@
 save_invstd, True, eps, output_mask) computes, in three deterministic passes over memory.
 
 Entry point: `batch_norm_backward(grad_out, x, weight, save_mean, save_invstd, output_mask, grad_input=None,
-config=None) -> (grad_input, grad_weight, grad_bias)`, reached through resfuse.kernels (ops/training.py calls it
-for the resfuse::batch_norm_backward op that passes/bn_backward.py puts in backward graphs).
+config=None, sums=None) -> (grad_input, grad_weight, grad_bias)`, reached through resfuse.kernels (ops/training.py
+calls it for the resfuse::batch_norm_backward op that passes/bn_backward.py puts in backward graphs).
 
 With g = grad_out, xmu = x - save_mean and M = N * H * W rows per channel:
   1. `bnb_partials_kernel`, grid (row splits, channel blocks): per split, sum(g) and sum(g * xmu), added up in
@@ -12,6 +12,8 @@ With g = grad_out, xmu = x - save_mean and M = N * H * W rows per channel:
      is bit-identical run to run); grad_bias = sum(g), grad_weight = sum(g * xmu) * invstd; and the per-channel
      coefficients of grad_input = a * g + b * xmu + c, with a = weight * invstd, b = -a * invstd^2 * sum(g * xmu)
      / M and c = -a * sum(g) / M (ATen's batch_norm_backward_elemt, rearranged).
+     With `sums` (fp32 [2, C]: sum(g), sum(g * xmu)), which grad_out's producer computed in its epilogue
+     (a bn_stats root, passes/bn_backward.py), pass 1 is skipped and finalize reads those as a single split.
   3. `bnb_apply_kernel`, one program per tile of rows and channels, the channel blocks of a row tile one after
      another (so together they read whole rows of a channels_last tensor), from the last rows to the first
      (elementwise.py says why): reads g and x once more and writes grad_input.
@@ -30,7 +32,8 @@ import triton
 import triton.language as tl
 
 from .. import epilogue as epi
-from .batch_norm import _DTYPES, TILE, BnConfig, _is_view3, _row_offsets, _sum_rows, row_splits
+from .activations import sum_rows
+from .batch_norm import _DTYPES, TILE, BnConfig, _is_view3, _row_offsets, row_splits
 from .launch import pdl_meta, plan_key
 from .tiles import cdiv, dependent_launch
 
@@ -59,19 +62,19 @@ def bnb_partials_kernel(g, x, mean, ws, M, C, RPS, s_gs, s_gp, s_gc, s_xs, s_xp,
         s_g += gv
         s_gx += tl.where(ok, gv * (xv - mu[None, :]), 0.0)
     out = ws + 3 * C + pid_r * C + offs_c
-    tl.store(out, _sum_rows(s_g), mask=ok_c)
-    tl.store(out + SPLITS * C, _sum_rows(s_gx), mask=ok_c)
+    tl.store(out, sum_rows(s_g), mask=ok_c)
+    tl.store(out + SPLITS * C, sum_rows(s_gx), mask=ok_c)
 
 
 @triton.jit
-def bnb_finalize_kernel(ws, invstd, w, grad_w, grad_b, M, C, SPLITS,
+def bnb_finalize_kernel(ws, part, invstd, w, grad_w, grad_b, M, C, SPLITS,
                         BC: tl.constexpr, BR: tl.constexpr, HAS_W: tl.constexpr, WANT_W: tl.constexpr,
                         WANT_B: tl.constexpr, PDL: tl.constexpr):
-    """Add the splits up for BC channels; write the parameter gradients and ws[0:3C] = (a, b, c)."""
+    """Add the splits up for BC channels (part[r*C + c] and part[SPLITS*C + r*C + c], r < SPLITS); write the
+    parameter gradients and ws[0:3C] = (a, b, c)."""
     dependent_launch(PDL)
     offs_c = tl.program_id(0) * BC + tl.arange(0, BC)
     ok_c = offs_c < C
-    part = ws + 3 * C
     acc_g = tl.full([BR, BC], 0.0, dtype=tl.float32)
     acc_gx = tl.full([BR, BC], 0.0, dtype=tl.float32)
     for r0 in range(0, SPLITS, BR):
@@ -80,8 +83,8 @@ def bnb_finalize_kernel(ws, invstd, w, grad_w, grad_b, M, C, SPLITS,
         at = part + r[:, None] * C + offs_c[None, :]
         acc_g += tl.load(at, mask=ok, other=0.0)
         acc_gx += tl.load(at + SPLITS * C, mask=ok, other=0.0)
-    sum_g = _sum_rows(acc_g)
-    sum_gx = _sum_rows(acc_gx)
+    sum_g = sum_rows(acc_g)
+    sum_gx = sum_rows(acc_gx)
     istd = tl.load(invstd + offs_c, mask=ok_c, other=0.0).to(tl.float32)
     if WANT_W:
         tl.store(grad_w + offs_c, (sum_gx * istd).to(grad_w.dtype.element_ty), mask=ok_c)
@@ -133,20 +136,24 @@ class _BnbPlan:
     grad_dtype: torch.dtype
     pdl: dict  # launch.pdl_meta's options for the three kernels
 
-    def run(self, g, x, weight, save_mean, save_invstd, mask, dx):
+    def run(self, g, x, weight, save_mean, save_invstd, mask, dx, sums=None):
         g = g.contiguous() if self.copy[0] else g
         x = x.contiguous() if self.copy[1] else x
         f32 = {"dtype": torch.float32, "device": x.device}
-        ws = torch.empty(self.c * (3 + 2 * self.splits), **f32)  # per call: see batch_norm._BnPlan.run
+        splits = 1 if sums is not None else self.splits
+        # per call: see batch_norm._BnPlan.run; the splits' partial sums after (a, b, c), unless given
+        ws = torch.empty(self.c * (3 if sums is not None else 3 + 2 * splits), **f32)
         grad_w = torch.empty(self.c, dtype=self.grad_dtype, device=x.device) if mask[1] else None
         grad_b = torch.empty(self.c, dtype=self.grad_dtype, device=x.device) if mask[2] else None
         cfg, blocks_c = self.cfg, triton.cdiv(self.c, self.cfg.block_c)
-        bnb_partials_kernel[(self.splits, blocks_c)](
-            g, x, save_mean, ws, self.m, self.c, self.rps, *self.strides[:6], self.tiles_per_split, self.splits,
-            BP=cfg.block_p, BC=cfg.block_c, num_warps=cfg.num_warps, **self.pdl)
+        if sums is None:
+            bnb_partials_kernel[(splits, blocks_c)](
+                g, x, save_mean, ws, self.m, self.c, self.rps, *self.strides[:6], self.tiles_per_split, splits,
+                BP=cfg.block_p, BC=cfg.block_c, num_warps=cfg.num_warps, **self.pdl)
+        part = sums if sums is not None else ws[3 * self.c:]
         bnb_finalize_kernel[(triton.cdiv(self.c, self.finalize_c),)](
-            ws, save_invstd, *(t if t is not None else ws for t in (weight, grad_w, grad_b)), self.m, self.c,
-            self.splits, BC=self.finalize_c, BR=cfg.block_r, HAS_W=weight is not None, WANT_W=bool(mask[1]),
+            ws, part, save_invstd, *(t if t is not None else ws for t in (weight, grad_w, grad_b)), self.m, self.c,
+            splits, BC=self.finalize_c, BR=cfg.block_r, HAS_W=weight is not None, WANT_W=bool(mask[1]),
             WANT_B=bool(mask[2]), **self.pdl)
         if mask[0]:
             bnb_apply_kernel[(triton.cdiv(self.m, cfg.block_p) * blocks_c,)](
@@ -160,17 +167,21 @@ _PLANS: dict = {}
 
 def batch_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, weight, save_mean: torch.Tensor,
                         save_invstd: torch.Tensor, output_mask, grad_input: torch.Tensor | None = None,
-                        config: BnConfig | None = None):
+                        config: BnConfig | None = None, sums: torch.Tensor | None = None):
     """Training batch-norm backward; see the module docstring. grad_input defaults to torch.empty_like(x)."""
     mask = tuple(bool(m) for m in output_mask)
     if mask[0] and grad_input is None:
         grad_input = torch.empty_like(x)
+    if sums is not None and (sums.shape != (2, x.shape[1]) or sums.dtype != torch.float32
+                             or not sums.is_contiguous() or sums.device != x.device):
+        raise ValueError(f"sums must be a contiguous fp32 [2, {x.shape[1]}] tensor on {x.device}, got "
+                         f"{tuple(sums.shape)} {sums.dtype}")
     key = plan_key("batch_norm_backward", mask, config, grad_out, x, weight, save_mean, save_invstd,
                    grad_input if mask[0] else None)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _plan(grad_out, x, weight, save_mean, save_invstd, mask, grad_input, config)
-    return plan.run(grad_out, x, weight, save_mean, save_invstd, mask, grad_input)
+    return plan.run(grad_out, x, weight, save_mean, save_invstd, mask, grad_input, sums)
 
 
 def _plan(g, x, weight, save_mean, save_invstd, mask, dx, config) -> _BnbPlan:

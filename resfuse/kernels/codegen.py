@@ -3,7 +3,9 @@
 Entry point: `load(family, signature) -> kernel`, called by launch.py. The kernel calls its family's shared
 @triton.jit mainloop (gemm.py, conv2d_fprop.py), reduces split-K partials (split_k.py), applies the epilogue
 in fp32 (source from epilogue.triton_body) and stores in the output's dtype (and, for an epilogue with an aux
-node, that node's value to the second output `aux`, at the same offsets). Only this glue is generated;
+node, that node's value to the second output `aux`, at the same offsets; for a bn_stats root, each tile's
+column sums of g and g * (x - mean), over the g it stored, to row `row_block` of the fp32 [row blocks, 2, C]
+`stats`). Only this glue is generated;
 the mainloops are written once. The source is written under <cache_dir>/kernels/<family>_<hash>.py and
 imported from there, because Triton reads a kernel's source file, and so that a user can read what ran.
 """
@@ -22,8 +24,8 @@ from .. import epilogue as epi
 from .activations import HELPERS
 
 # bump when the generated glue or a mainloop's calling convention changes, or when a family takes on ops whose
-# cached winners were chosen without it (3: depthwise convs; 4: persistent GEMMs)
-TEMPLATE_VERSION = 4
+# cached winners were chosen without it (3: depthwise convs; 4: persistent GEMMs; 5: mainloops return row_block)
+TEMPLATE_VERSION = 5
 
 _LOADED: dict[tuple[str, str], object] = {}
 _LOCK = threading.Lock()
@@ -34,10 +36,11 @@ class Family:
     """What codegen needs to know to wrap a mainloop.
 
     The mainloop takes `args` then `constexprs` (which must include BM, BN and SPLIT_K) and returns
-    (acc, tile, pid_k, s_idx, p_idx, row_ok, out_rows, offs_c): the fp32 partial [BM, BN], the tile number
-    (the split-K ticket index), the split index, each row's sample and row within sample, which rows exist,
-    each row's element offset in `out`, and the output channels. The kernel also takes `n_cols` (the channel
-    count, already in args) and `s_out_c` (the output's channel stride).
+    (acc, tile, pid_k, s_idx, p_idx, row_ok, out_rows, offs_c, row_block): the fp32 partial [BM, BN], the tile
+    number (the split-K ticket index), the split index, each row's sample and row within sample, which rows
+    exist, each row's element offset in `out`, the output channels, and the tile's block of rows (tiles with
+    one row_block cover the same rows; the blocks, numbered from 0, partition the output's rows). The kernel also
+    takes `n_cols` (the channel count, already in args) and `s_out_c` (the output's channel stride).
     A persistent family names in `loop` the arg that holds its tile count: each program then walks the tiles
     program_id, program_id + programs, ... and its mainloop takes the tile number first. The loop is flattened
     with the mainloop's reduction loop (tl.range(flatten=True)), so that Triton's pipeliner may issue the next
@@ -56,23 +59,35 @@ class Family:
 def kernel_source(family: Family, signature: str) -> str:
     tree = epi.parse(signature)
     aux = epi.aux_value(tree) is not None  # a second output, laid out like `out`
-    params = ["out", *(["aux"] if aux else []), "ws", "tickets", *family.args, family.s_out_c,
-              *epi.triton_params(tree)]
+    stats = epi.stats_node(tree)
+    params = ["out", *(["aux"] if aux else []), *(["stats"] if stats else []), "ws", "tickets", *family.args,
+              family.s_out_c, *epi.triton_params(tree)]
     params += [f"{c}: tl.constexpr" for c in (*family.constexprs, "PDL")]
     call_args = ", ".join([*(["tile_id"] if family.loop else []), *family.args, *family.constexprs])
     aux_store = (f"tl.store(aux + out_rows[:, None] + offs_c[None, :] * {family.s_out_c}, "
                  "aux_y.to(aux.dtype.element_ty), mask=mask)") if aux else ""
-    tile_body = f"""acc, tile, pid_k, s_idx, p_idx, row_ok, out_rows, offs_c = {family.mainloop}({call_args})
+    stats_store = ""
+    if stats:
+        x, mean = (f"v{o.slot}" for o in stats.args[1:])
+        stats_store = f"""# batch-norm backward's partial sums over the g just stored, as its own pass would read g
+g_st = tl.where(mask, y.to(out.dtype.element_ty).to(tl.float32), 0.0)
+st = stats + row_block * (2 * {family.n_cols}) + offs_c
+tl.store(st, sum_rows(g_st), mask=stat_ok)
+tl.store(st + {family.n_cols}, sum_rows(g_st * ({x} - {mean})), mask=stat_ok)"""
+    tile_body = f"""acc, tile, pid_k, s_idx, p_idx, row_ok, out_rows, offs_c, row_block = {family.mainloop}({call_args})
 mask_c = offs_c < {family.n_cols}
 mask = row_ok[:, None] & mask_c[None, :]
+stat_ok = mask_c
 if SPLIT_K > 1:
     # Every split stores its partial; the last to arrive sums them all and runs the epilogue once.
     acc, last = split_k_reduce(acc, ws, tickets, tile, pid_k, BM, BN, SPLIT_K)
     mask = mask & last
+    stat_ok = stat_ok & last
 # epilogue: {signature}
 {epi.triton_body(tree, out="y")}
 tl.store(out + out_rows[:, None] + offs_c[None, :] * {family.s_out_c}, y.to(out.dtype.element_ty), mask=mask)
-{aux_store}"""
+{aux_store}
+{stats_store}"""
     if family.loop:
         tile_body = (f"for tile_id in tl.range(tl.program_id(0), {family.loop}, tl.num_programs(0), flatten=True):\n"
                      + _indent(tile_body))

@@ -71,7 +71,7 @@ def conv2d_dgrad_mainloop(g, w, NB, H, W, C, KO, OH, OW, R, S,
     HQ = cdiv(H, stride_h)
     WQ = cdiv(W, stride_w)
     MQ = NB * HQ * WQ
-    offs_m, offs_n, rows, cols = tile_offsets(pid, MQ, C, BM, BN, GROUP_M)
+    offs_m, offs_n, rows, cols, tile_m = tile_offsets(pid, MQ, C, BM, BN, GROUP_M)
     n_i = rows // (HQ * WQ)
     q = rows % (HQ * WQ)
     hq = q // WQ
@@ -103,7 +103,7 @@ def conv2d_dgrad_mainloop(g, w, NB, H, W, C, KO, OH, OW, R, S,
     row_ok = (offs_m < MQ) & (h < H) & (wi < W)
     out_rows = n_i * s_on + h * s_oh + wi * s_ow
     tile = phase * (cdiv(MQ, BM) * cdiv(C, BN)) + pid
-    return acc, tile, pid_k, n_i, h * W + wi, row_ok, out_rows, offs_n
+    return acc, tile, pid_k, n_i, h * W + wi, row_ok, out_rows, offs_n, phase * cdiv(MQ, BM) + tile_m
 
 
 FAMILY = Family(

@@ -82,7 +82,7 @@ def conv2d_depthwise_mainloop(x, w, NB, H, W, C, KO, OH, OW, R, MULT,
             w_t = tl.load(w_r + s * s_ws, mask=k_ok, other=0.0)
             acc += x_t.to(tl.float32) * w_t.to(tl.float32)[None, :]
     out_rows = n_i * s_on + oh * s_oh + ow * s_ow
-    return acc, pid, 0, n_i, p_i, row_ok, out_rows, offs_k
+    return acc, pid, 0, n_i, p_i, row_ok, out_rows, offs_k, tile_m
 
 
 FAMILY = Family(

@@ -33,7 +33,7 @@ def conv2d_fprop_mainloop(x, w, NB, H, W, C, KO, OH, OW, R, S,
     pid = tl.program_id(0)
     pid_k = tl.program_id(2)
     M = NB * OH * OW
-    offs_m, offs_n, rows, cols = tile_offsets(pid, M, KO, BM, BN, GROUP_M)
+    offs_m, offs_n, rows, cols, tile_m = tile_offsets(pid, M, KO, BM, BN, GROUP_M)
     n_i = rows // (OH * OW)
     p_i = rows % (OH * OW)
     oh = p_i // OW
@@ -76,7 +76,7 @@ def conv2d_fprop_mainloop(x, w, NB, H, W, C, KO, OH, OW, R, S,
             w_t = tl.load(w_cols[None, :] + (r * s_wr + s * s_ws) + cc[:, None] * s_wc, mask=c_ok[:, None], other=0.0)
             acc = mma(x_t, w_t, acc, PRECISION)
     out_rows = n_i * s_on + oh * s_oh + ow * s_ow
-    return acc, pid, pid_k, n_i, p_i, offs_m < M, out_rows, offs_n
+    return acc, pid, pid_k, n_i, p_i, offs_m < M, out_rows, offs_n, tile_m
 
 
 @triton.jit
@@ -117,7 +117,7 @@ def conv2d_tma_mainloop(x_desc, w_desc, NB, H, W, C, KO, OH, OW, R, S, s_on, s_o
     ow = ow0 + i % BW
     row_ok = (n_i < NB) & (oh < OH) & (ow < OW)
     offs_n = tile_n * BN + tl.arange(0, BN)
-    return acc, pid, pid_k, n_i, oh * OW + ow, row_ok, n_i * s_on + oh * s_oh + ow * s_ow, offs_n
+    return acc, pid, pid_k, n_i, oh * OW + ow, row_ok, n_i * s_on + oh * s_oh + ow * s_ow, offs_n, tile_m
 
 
 TMA_FAMILY = Family(

@@ -5,7 +5,9 @@ Entry points: `conv2d(x, w, operands, signature, stride, padding, dilation, out,
 `gemm(a, b, operands, signature, out, config=None) -> out` and `epilogue(...)`, reached through resfuse.kernels
 (ops/fused.py calls those). A None config is the heuristic default; the tuner passes measured ones.
 `out` is preallocated by the caller; the kernels write into it through its own strides. An epilogue with an aux
-node also writes `aux` (conv2d, gemm and epilogue take it), laid out like `out`.
+node also writes `aux` (conv2d, gemm and epilogue take it), laid out like `out`. An epilogue with a bn_stats root
+also writes `stats`, fp32 [2, C] (conv2d_dgrad and epilogue take it): each row block's sums go to a workspace,
+which one torch.sum then adds up in a fixed order.
 """
 from __future__ import annotations
 
@@ -101,13 +103,15 @@ class Plan:
     scalar arguments and each operand's [S, P, C] strides. A call only fills in the tensors."""
 
     def __init__(self, kernel, grid, head: list, operand_strides: list, meta: dict, ws_shape: tuple,
-                 device: torch.device, prepare=None):
+                 device: torch.device, prepare=None, row_blocks: int = 0):
         self.kernel, self.grid, self.head, self.ws_shape = kernel, grid, head, ws_shape
+        self.row_blocks = row_blocks  # the mainloop's row_block count (codegen.Family): a bn_stats root's partials
         self.meta = dict(meta, **pdl_meta(device))
         self.operand_strides = operand_strides  # None where the [S, P, C] view is not a view (a copy each call)
         self.prepare = prepare  # the inputs -> what the kernel takes for them (TMA descriptors), or None
 
-    def launch(self, tensors: tuple, out, operands, signature: str, out_shape, channel_dim: int, aux=None):
+    def launch(self, tensors: tuple, out, operands, signature: str, out_shape, channel_dim: int, aux=None,
+               stats=None):
         if self.prepare is not None:
             tensors = self.prepare(*tensors)
         ws, tickets = split_k.buffers(out, *self.ws_shape)
@@ -119,33 +123,50 @@ class Plan:
                 t, strides = views[i], views[i].stride()
             op_args += [t, *strides]
         outs = (out,) if aux is None else (out, aux)  # the aux output is written through out's offsets
+        if stats is not None:
+            partials = torch.empty((self.row_blocks, *stats.shape), dtype=torch.float32, device=out.device)
+            outs += (partials,)
         self.kernel[self.grid](*outs, ws, tickets, *tensors, *self.head, *op_args, **self.meta)
+        if stats is not None:
+            torch.sum(partials, 0, out=stats)
         return out
 
 
 _PLANS: dict = {}
 
 
-def _cached_launch(key, build, tensors: tuple, out, operands, signature: str, channel_dim: int, aux=None):
+def _cached_launch(key, build, tensors: tuple, out, operands, signature: str, channel_dim: int, aux=None,
+                   stats=None):
     """Launch with the Plan for `key`, built on first sight (None: nothing to compute, e.g. an empty output)."""
     plan = _PLANS.get(key)
     if plan is None:
-        _check_aux(signature, out, aux)
+        _check_outputs(signature, out, channel_dim, aux, stats)
         plan = _PLANS[key] = build()
     if plan is not None:
-        plan.launch(tensors, out, operands, signature, out.shape, channel_dim, aux)
+        plan.launch(tensors, out, operands, signature, out.shape, channel_dim, aux, stats)
+    elif stats is not None:
+        stats.zero_()  # the sums over no rows
     return out
 
 
-def _check_aux(signature: str, out: torch.Tensor, aux: torch.Tensor | None) -> None:
+def _check_outputs(signature: str, out: torch.Tensor, channel_dim: int, aux: torch.Tensor | None,
+                   stats: torch.Tensor | None) -> None:
     """An epilogue with an aux node writes a second output, shaped and strided like `out` (its dtype may differ:
-    an fp32 output under a float32 marker keeps an fp16 aux)."""
-    wants = epi.aux_value(epi.parse(signature)) is not None
+    an fp32 output under a float32 marker keeps an fp16 aux); one with a bn_stats root, fp32 [2, C] sums."""
+    tree = epi.parse(signature)
+    wants = epi.aux_value(tree) is not None
     if wants != (aux is not None):
         raise ValueError(f"epilogue {signature} {'needs' if wants else 'has no'} aux output")
     if aux is not None and (aux.shape != out.shape or aux.stride() != out.stride() or aux.device != out.device):
         raise ValueError(f"aux output {tuple(aux.shape)} / {aux.stride()} is not laid out like the output "
                          f"{tuple(out.shape)} / {out.stride()}")
+    wants = epi.stats_node(tree) is not None
+    if wants != (stats is not None):
+        raise ValueError(f"epilogue {signature} {'needs' if wants else 'has no'} statistics output")
+    if stats is not None and (stats.shape != (2, out.shape[channel_dim]) or stats.dtype != torch.float32
+                              or not stats.is_contiguous() or stats.device != out.device):
+        raise ValueError(f"statistics output {tuple(stats.shape)} {stats.dtype} is not a contiguous fp32 "
+                         f"[2, {out.shape[channel_dim]}] on {out.device}")
 
 
 def plan_key(*parts) -> tuple:
@@ -204,7 +225,8 @@ def _gemm_plan(a, b, operands, signature, out, config) -> Plan | None:
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return Plan(codegen.load(GEMM_FAMILY, signature), (tiles_mn, batch, split), head,
                 operand_strides(signature, operands, out.shape, -1), meta,
-                (tiles_mn * batch, split, cfg.block_m, cfg.block_n), out.device)
+                (tiles_mn * batch, split, cfg.block_m, cfg.block_n), out.device,
+                row_blocks=batch * triton.cdiv(m, cfg.block_m))
 
 
 def _tma_plan(as_matrices, inputs, operands, signature, out, channel_dim, cfg, split, tiles_mn, out_view) -> Plan:
@@ -230,9 +252,9 @@ def _tma_plan(as_matrices, inputs, operands, signature, out, channel_dim, cfg, s
         programs = min(tiles_mn, cfg.persistent * sm_count(a.device))
         return Plan(codegen.load(PERSISTENT_FAMILY, signature), (programs, 1, 1),
                     [m, n, k, rps, s_os, s_om, tiles_mn, s_on], strides, meta, (tiles_mn, 1, bm, bn), out.device,
-                    descriptors)
+                    descriptors, triton.cdiv(m, bm))
     return Plan(codegen.load(GEMM_TMA_FAMILY, signature), (tiles_mn, 1, split), [m, n, k, rps, s_os, s_om, s_on],
-                strides, dict(meta, WS=cfg.ws), (tiles_mn, split, bm, bn), out.device, descriptors)
+                strides, dict(meta, WS=cfg.ws), (tiles_mn, split, bm, bn), out.device, descriptors, triton.cdiv(m, bm))
 
 
 def conv_as_gemm(x: torch.Tensor, w: torch.Tensor, stride, padding, out_strides):
@@ -309,7 +331,7 @@ def _conv_plan(x, w, operands, signature, stride, padding, dilation, out, config
                 PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return Plan(codegen.load(CONV_FAMILY, signature), (tiles, 1, split), head,
                 operand_strides(signature, operands, out.shape, 1), meta, (tiles, split, cfg.block_m, cfg.block_n),
-                out.device)
+                out.device, row_blocks=triton.cdiv(nb * oh * ow, cfg.block_m))
 
 
 def _depthwise_plan(x, w, operands, signature, stride, padding, dilation, out, config) -> Plan | None:
@@ -331,7 +353,7 @@ def _depthwise_plan(x, w, operands, signature, stride, padding, dilation, out, c
                 num_warps=cfg.num_warps)
     return Plan(codegen.load(DEPTHWISE_FAMILY, signature), (tiles, 1, 1), head,
                 operand_strides(signature, operands, out.shape, 1), meta, (tiles, 1, cfg.block_m, cfg.block_n),
-                out.device)
+                out.device, row_blocks=tiles // triton.cdiv(ko, cfg.block_n))
 
 
 def _tma_conv_plan(x, w, operands, signature, out, cfg, split, padding, dilation) -> Plan:
@@ -356,11 +378,12 @@ def _tma_conv_plan(x, w, operands, signature, out, cfg, split, padding, dilation
                 WS=cfg.ws, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return Plan(codegen.load(CONV_TMA_FAMILY, signature), (tiles, 1, split), head,
                 operand_strides(signature, operands, out.shape, 1), meta, (tiles, split, bm, bn), out.device,
-                descriptors)
+                descriptors, tiles // triton.cdiv(ko, bn))
 
 
 def conv2d_dgrad(grad_out: torch.Tensor, w: torch.Tensor, operands, signature: str, stride, padding, dilation,
-                 out: torch.Tensor, config: DgradConfig | None = None) -> torch.Tensor:
+                 out: torch.Tensor, config: DgradConfig | None = None,
+                 stats: torch.Tensor | None = None) -> torch.Tensor:
     """out = epilogue(grad_input) for the forward conv2d(input, w, stride, padding, dilation), groups=1.
 
     grad_out is [N, K, OH, OW], w the forward weight [K, C, R, S], out the preallocated grad_input [N, C, H, W]:
@@ -372,7 +395,7 @@ def conv2d_dgrad(grad_out: torch.Tensor, w: torch.Tensor, operands, signature: s
                options()["split_k"], grad_out, w, out, *operands)
     return _cached_launch(
         key, lambda: _dgrad_plan(grad_out, w, operands, signature, stride, padding, dilation, out, config),
-        (grad_out, w), out, operands, signature, 1)
+        (grad_out, w), out, operands, signature, 1, stats=stats)
 
 
 def _dgrad_plan(grad_out, w, operands, signature, stride, padding, dilation, out, config) -> Plan | None:
@@ -396,8 +419,8 @@ def _dgrad_plan(grad_out, w, operands, signature, stride, padding, dilation, out
                                               sm_count(w.device)))
     split = _split(cfg.split_k)
     phases = stride[0] * stride[1]
-    tiles = (triton.cdiv(nb * triton.cdiv(h, stride[0]) * triton.cdiv(wd, stride[1]), cfg.block_m)
-             * triton.cdiv(c, cfg.block_n))
+    tiles_m = triton.cdiv(nb * triton.cdiv(h, stride[0]) * triton.cdiv(wd, stride[1]), cfg.block_m)  # per phase
+    tiles = tiles_m * triton.cdiv(c, cfg.block_n)
     s_on, s_oc, s_oh, s_ow = out.stride()
     out_strides = out.stride()  # as in _conv_plan
     if cfg.tma and dgrad_as_gemm(grad_out, w, stride, padding, out_strides) is not None:  # a 1x1 dgrad
@@ -410,22 +433,25 @@ def _dgrad_plan(grad_out, w, operands, signature, stride, padding, dilation, out
                 PRECISION=_precision(w.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return Plan(codegen.load(DGRAD_FAMILY, signature), (tiles, phases, split), head,
                 operand_strides(signature, operands, out.shape, 1), meta,
-                (tiles * phases, split, cfg.block_m, cfg.block_n), out.device)
+                (tiles * phases, split, cfg.block_m, cfg.block_n), out.device,
+                row_blocks=phases * tiles_m)
 
 
 def epilogue(acc: torch.Tensor, operands, signature: str, out: torch.Tensor, channel_dim: int,
-             aux: torch.Tensor | None = None) -> torch.Tensor:
+             aux: torch.Tensor | None = None, stats: torch.Tensor | None = None) -> torch.Tensor:
     """Apply the epilogue to an accumulator already in memory (`acc`, shaped like `out`), in one kernel.
 
     `out` may be `acc` itself (in place) when their strides agree: each program loads its tile, then stores it."""
     key = plan_key("ewise", signature, channel_dim, acc, out, aux, *operands)
     plan = _PLANS.get(key)
     if plan is None:
-        _check_aux(signature, out, aux)
+        _check_outputs(signature, out, channel_dim, aux, stats)
         plan = _PLANS[key] = _ewise_plan(acc, operands, signature, out, channel_dim)
     if plan is not None:
         acc3 = epi.rows3(acc, acc.shape, channel_dim)
-        plan.launch((acc3,), out, operands, signature, out.shape, channel_dim, aux)
+        plan.launch((acc3,), out, operands, signature, out.shape, channel_dim, aux, stats)
+    elif stats is not None:
+        stats.zero_()
     return out
 
 
@@ -436,10 +462,10 @@ def _ewise_plan(acc, operands, signature, out, channel_dim) -> Plan | None:
     if out3.data_ptr() != out.data_ptr() or any(st == 0 for st in out3.stride()[1:]):
         raise NotImplementedError(f"output strides {out.stride()} are not an [S, P, C] view")
     s, p, c = out3.shape
-    cfg = ewise_config(c)
+    cfg = ewise_config(c, epi.stats_node(epi.parse(signature)) is not None)
     tiles = triton.cdiv(s * p, cfg.block_m) * triton.cdiv(c, cfg.block_n)
     head = [s * p, c, p, *acc3.stride(), out3.stride(0), out3.stride(1), out3.stride(2)]
     meta = dict(BM=cfg.block_m, BN=cfg.block_n, SPLIT_K=1, num_warps=cfg.num_warps)
     return Plan(codegen.load(EWISE_FAMILY, signature), (tiles, 1, 1), head,
                 operand_strides(signature, operands, out.shape, channel_dim), meta, (tiles, 1, cfg.block_m, cfg.block_n),
-                out.device)
+                out.device, row_blocks=triton.cdiv(s * p, cfg.block_m))

@@ -32,7 +32,7 @@ def gemm_mainloop(a, b, M, N, K, RPS, s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_ob, 
     pid = tl.program_id(0)
     batch = tl.program_id(1)
     pid_k = tl.program_id(2)
-    offs_m, offs_n, rows, cols = tile_offsets(pid, M, N, BM, BN, GROUP_M)
+    offs_m, offs_n, rows, cols, tile_m = tile_offsets(pid, M, N, BM, BN, GROUP_M)
     offs_k = tl.arange(0, BK)
     lo, hi = k_range(pid_k, cdiv(K, BK), SPLIT_K)
     a_ptrs = a + batch * s_ab + rows[:, None] * s_am + (lo * BK + offs_k)[None, :] * s_ak
@@ -54,7 +54,7 @@ def gemm_mainloop(a, b, M, N, K, RPS, s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_ob, 
     p_idx = offs_m % RPS
     s_idx = batch * (M // RPS) + sample
     out_rows = batch * s_ob + sample * s_os + p_idx * s_om
-    return acc, tile, pid_k, s_idx, p_idx, offs_m < M, out_rows, offs_n
+    return acc, tile, pid_k, s_idx, p_idx, offs_m < M, out_rows, offs_n, batch * cdiv(M, BM) + tile_m
 
 
 FAMILY = Family(
@@ -105,7 +105,7 @@ def gemm_tma_tile(pid, pid_k, a_desc, b_desc, M, N, K, RPS, s_os, s_om,
     offs_n = tile_n * BN + tl.arange(0, BN)
     sample = offs_m // RPS
     p_idx = offs_m % RPS
-    return acc, pid, pid_k, sample, p_idx, offs_m < M, sample * s_os + p_idx * s_om, offs_n
+    return acc, pid, pid_k, sample, p_idx, offs_m < M, sample * s_os + p_idx * s_om, offs_n, tile_m
 
 
 TMA_FAMILY = Family(

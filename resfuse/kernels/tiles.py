@@ -48,14 +48,14 @@ def swizzle_tile(pid, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def tile_offsets(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's output tile of an M x N problem: its row and column offsets, and the same wrapped into
-    range. Edge rows and columns wrap onto valid ones so the mainloop's loads need no M/N mask; their results
-    are masked at the store. (No contiguity hints on the wrapped indices: a wrap inside a vector would read
-    past the edge.)"""
+    """This program's output tile of an M x N problem: its row and column offsets, the same wrapped into
+    range, and its tile row. Edge rows and columns wrap onto valid ones so the mainloop's loads need no M/N mask;
+    their results are masked at the store. (No contiguity hints on the wrapped indices: a wrap inside a vector
+    would read past the edge.)"""
     tile_m, tile_n = swizzle_tile(pid, cdiv(M, BM), cdiv(N, BN), GROUP_M)
     offs_m = tile_m * BM + tl.arange(0, BM)
     offs_n = tile_n * BN + tl.arange(0, BN)
-    return offs_m, offs_n, offs_m % M, offs_n % N
+    return offs_m, offs_n, offs_m % M, offs_n % N, tile_m
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""The fused ops of training graphs: resfuse::batch_norm (forward), resfuse::conv2d_dgrad and
+"""The fused ops of training graphs: resfuse::batch_norm (forward), resfuse::conv2d_dgrad, its _stats twin and
 resfuse::batch_norm_backward (backward).
 
 batch_norm is training-mode batch norm (batch statistics, running-stat update, the saved mean and invstd
@@ -9,10 +9,14 @@ returns, with the epilogue applied to the first output.
 conv2d_dgrad is the data gradient of a conv2d with an epilogue, e.g. threshold_bwd(add(acc, full0), full1):
 the skip-gradient add absorbed (FuseAddToOutput in backward), then relu's gradient. The weight gradient
 stays with aten.convolution_backward (cuDNN), which the rewrite asks for the weight gradient alone.
+conv2d_dgrad_stats takes the same arguments for an epilogue with a bn_stats root and returns (out, sums): sums is
+fp32 [2, C], sum(out) and sum(out * (x - mean)) per channel, which the batch norm before the conv (in forward
+order) needs for its backward; passes/bn_backward.py hands them to batch_norm_backward.
 
 batch_norm_backward is aten.native_batch_norm_backward in training mode on our kernel (three deterministic
 passes: kernels/batch_norm_bwd.py), put in backward graphs by passes/bn_backward.py. It always returns all
-three gradients (the parameter gradients cost C values each); the graph reads the ones it asked for.
+three gradients (the parameter gradients cost C values each); the graph reads the ones it asked for. Given
+`sums`, its Triton path skips its own pass over grad_out and x for them.
 
 Paths are recorded in PATHS like the inference ops: "reference" (ATen, then the epilogue in torch) or
 "triton" (our kernels, on CUDA or under the interpreter).
@@ -24,6 +28,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .. import epilogue as epi
 from . import library
 from .fused import Output, _finish, _record, _use_triton, conv_out_format, with_batch
 
@@ -85,33 +90,56 @@ def dgrad_out(grad_out: torch.Tensor, weight: torch.Tensor, input_shape) -> Outp
 def conv2d_dgrad_impl(grad_out: torch.Tensor, weight: torch.Tensor, operands: Sequence[torch.Tensor], epilogue: str,
                  input_shape: Sequence[int], stride: Sequence[int], padding: Sequence[int],
                  dilation: Sequence[int], provider: str) -> torch.Tensor:
+    return _dgrad(grad_out, weight, operands, epilogue, input_shape, stride, padding, dilation, provider, None)
+
+
+def conv2d_dgrad_stats_impl(grad_out: torch.Tensor, weight: torch.Tensor, operands: Sequence[torch.Tensor],
+                            epilogue: str, input_shape: Sequence[int], stride: Sequence[int], padding: Sequence[int],
+                            dilation: Sequence[int], provider: str) -> tuple[torch.Tensor, torch.Tensor]:
+    sums = _sums(dgrad_out(grad_out, weight, input_shape))
+    out = _dgrad(grad_out, weight, operands, epilogue, input_shape, stride, padding, dilation, provider, sums)
+    return out, sums
+
+
+def _sums(out: Output) -> torch.Tensor:
+    return torch.empty(2, out.shape[1], dtype=torch.float32, device=out.device)
+
+
+def _dgrad(grad_out, weight, operands, epilogue, input_shape, stride, padding, dilation, provider, sums):
     out = dgrad_out(grad_out, weight, input_shape)
     if _use_triton(grad_out.device, provider):
         from .. import kernels
         from ..tuning.choose import Call, choose
 
         call = Call("conv2d_dgrad", (grad_out, weight), list(operands), epilogue,
-                    (list(stride), list(padding), list(dilation)), out)
+                    (list(stride), list(padding), list(dilation)), out, stats=sums)
         choice = choose(call)  # the tuner weighs our kernel against cuDNN's dgrad + our epilogue kernel
         _record("conv2d_dgrad", epilogue, choice.provider)
         if choice.provider == "triton":
             return kernels.conv2d_dgrad(grad_out, weight, list(operands), epilogue, list(stride), list(padding),
-                                        list(dilation), out.empty(), choice.config)
+                                        list(dilation), out.empty(), choice.config, sums)
         if choice.provider == "epilogue":
             from ..providers import epilogue as two_kernels
             return two_kernels.run(call)
     else:
         _record("conv2d_dgrad", epilogue, "reference")
     return conv2d_dgrad_reference(grad_out, weight, operands, epilogue, input_shape, stride, padding, dilation,
-                                  out.empty())
+                                  out.empty(), sums)
 
 
 conv2d_dgrad = library.Op("conv2d_dgrad", conv2d_dgrad_impl)
+conv2d_dgrad_stats = library.Op("conv2d_dgrad_stats", conv2d_dgrad_stats_impl)
 
 
-def conv2d_dgrad_reference(grad_out, weight, operands, epilogue, input_shape, stride, padding, dilation, out):
-    """cuDNN's data gradient, then the epilogue in torch."""
-    return _finish(cudnn_dgrad(grad_out, weight, out.shape, stride, padding, dilation), out, operands, epilogue, 1)
+def conv2d_dgrad_reference(grad_out, weight, operands, epilogue, input_shape, stride, padding, dilation, out,
+                           sums=None):
+    """cuDNN's data gradient, then the epilogue in torch (and a bn_stats root's sums into `sums`, when given)."""
+    _finish(cudnn_dgrad(grad_out, weight, out.shape, stride, padding, dilation), out, operands, epilogue, 1)
+    if sums is not None:
+        tree = epi.parse(epilogue)
+        sums.copy_(epi.stats_reference(tree, epi.rows3(out, out.shape, 1),
+                                       epi.operand_views(tree, operands, out.shape, 1)))
+    return out
 
 
 def cudnn_dgrad(grad_out, weight, input_shape, stride, padding, dilation) -> torch.Tensor:
@@ -131,16 +159,23 @@ def _(grad_out, weight, operands, epilogue, input_shape, stride, padding, dilati
     return dgrad_out(grad_out, weight, input_shape).empty()
 
 
+@conv2d_dgrad_stats.register_fake
+def _(grad_out, weight, operands, epilogue, input_shape, stride, padding, dilation, provider):
+    out = dgrad_out(grad_out, weight, input_shape)
+    return out.empty(), _sums(out)
+
+
 def batch_norm_backward_impl(grad_out: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor],
-                             save_mean: torch.Tensor, save_invstd: torch.Tensor, eps: float,
-                             provider: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             save_mean: torch.Tensor, save_invstd: torch.Tensor, eps: float, provider: str,
+                             sums: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _use_triton(x.device, provider):
         from .. import kernels
 
-        _record("batch_norm_backward", "", "triton")
+        _record("batch_norm_backward", "sums" if sums is not None else "", "triton")
         strides = _grad_input_strides(tuple(grad_out.shape), grad_out.stride(), x.stride(), x.dtype, x.device)
         dx = torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device)
-        dx, dw, db = kernels.batch_norm_backward(grad_out, x, weight, save_mean, save_invstd, (True, True, True), dx)
+        dx, dw, db = kernels.batch_norm_backward(grad_out, x, weight, save_mean, save_invstd, (True, True, True), dx,
+                                                 sums=sums)
         return dx, dw, db
     _record("batch_norm_backward", "", "reference")
     return _aten_bn_backward(grad_out, x, weight, save_mean, save_invstd, eps)
@@ -168,6 +203,6 @@ def _grad_input_strides(shape, g_strides, x_strides, x_dtype, device) -> tuple:
 
 
 @batch_norm_backward.register_fake
-def _(grad_out, x, weight, save_mean, save_invstd, eps, provider):
+def _(grad_out, x, weight, save_mean, save_invstd, eps, provider, sums=None):
     dx, dw, db = _aten_bn_backward(grad_out, x, weight, save_mean, save_invstd, eps)
     return torch.empty_like(dx), torch.empty_like(dw), torch.empty_like(db)

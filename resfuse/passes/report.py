@@ -57,6 +57,8 @@ def bytes_saved(tree: epi.Node, out: torch.Tensor) -> int:
             return 0
         if n.name == "aux":  # no op of its own, and the fused kernel still writes that value
             return unfused(n.args[0]) - 1
+        if n.name == "bn_stats":  # the sums pass would read g and x (and writes C values, not counted)
+            return 2 + unfused(n.args[0])
         return 1 + sum(full(a) for a in n.args) + sum(unfused(a) for a in n.args)
 
     n_full = sum(o.kind == "full" for o in epi.operands(tree))

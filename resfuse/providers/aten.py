@@ -18,7 +18,7 @@ def run(call, out: torch.Tensor) -> torch.Tensor:
     if call.op == "conv2d_dgrad":
         from ..ops import training
         return training.conv2d_dgrad_reference(*call.inputs, call.operands, call.signature, list(out.shape),
-                                               *call.params, out)
+                                               *call.params, out, call.stats)
     return fused.gemm_reference(*call.inputs, call.operands, call.signature, *call.params, out, call.aux)
 
 

@@ -24,7 +24,7 @@ def run(call) -> torch.Tensor:
     float32 marker, another layout) the output is a new tensor."""
     acc, channel_dim = _accumulator(call)
     out = acc if call.out.fits(acc) else call.out.empty()
-    return kernels.epilogue(acc, call.operands, call.signature, out, channel_dim, call.aux)
+    return kernels.epilogue(acc, call.operands, call.signature, out, channel_dim, call.aux, call.stats)
 
 
 def _accumulator(call) -> tuple[torch.Tensor, int]:

@@ -23,21 +23,21 @@ def refusal(call) -> str | None:
     return None
 
 
-def _launch(call, signature: str, operands, out, config, aux=None):
+def _launch(call, signature: str, operands, out, config, aux=None, stats=None):
     if call.op == "conv2d":
         return kernels.conv2d(*call.inputs, operands, signature, *call.params, out, config, aux)
     if call.op == "conv2d_dgrad":
-        return kernels.conv2d_dgrad(*call.inputs, operands, signature, *call.params, out, config)
+        return kernels.conv2d_dgrad(*call.inputs, operands, signature, *call.params, out, config, stats)
     return kernels.gemm(*call.inputs, operands, signature, out, config, aux)
 
 
 def candidates(call, level: str) -> list[Candidate]:
-    scratch, bare, aux = call.out.empty(), call.out.empty(), call.scratch().aux
+    scratch, bare, own = call.out.empty(), call.out.empty(), call.scratch()
     out = []
     for cfg in space.configs(call, level):
         name = "triton:" + ",".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items())
         out.append(Candidate(
             "triton", name, dataclasses.asdict(cfg),
-            run=lambda cfg=cfg: _launch(call, call.signature, call.operands, scratch, cfg, aux),
+            run=lambda cfg=cfg: _launch(call, call.signature, call.operands, scratch, cfg, own.aux, own.stats),
             mainloop=lambda cfg=cfg: _launch(call, "acc", [], bare, cfg)))
     return out

@@ -43,10 +43,14 @@ class Call:
     params: tuple  # conv2d and conv2d_dgrad: (stride, padding, dilation); gemm: (out_shape,)
     out: Output  # described, not allocated: each provider allocates its own (candidates: scratch, never live data)
     aux: torch.Tensor | None = None  # the op's aux output, for an epilogue with an aux node (candidates: scratch)
+    stats: torch.Tensor | None = None  # the op's [2, C] sums, for an epilogue with a bn_stats root (likewise)
 
     def scratch(self) -> "Call":
-        """This call writing a scratch aux output instead of the op's own."""
-        return self if self.aux is None else dataclasses.replace(self, aux=torch.empty_like(self.aux))
+        """This call writing scratch aux and stats outputs instead of the op's own."""
+        def own(t):
+            return None if t is None else torch.empty_like(t)
+        return self if self.aux is None and self.stats is None else dataclasses.replace(
+            self, aux=own(self.aux), stats=own(self.stats))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,5 +264,5 @@ def _reference(call: Call) -> torch.Tensor:
     """The unfused computation in fp32 from upcast inputs: what every candidate is checked against."""
     up = dataclasses.replace(call, inputs=tuple(t.float() for t in call.inputs),
                              operands=[t.float() for t in call.operands],
-                             out=dataclasses.replace(call.out, dtype=torch.float32), aux=None)
+                             out=dataclasses.replace(call.out, dtype=torch.float32), aux=None, stats=None)
     return providers.aten.run(up, up.out.empty())
