@@ -4,7 +4,7 @@ Entry point: `load(family, signature) -> kernel`, called by launch.py. The kerne
 @triton.jit mainloop (gemm.py, conv2d_fprop.py), reduces split-K partials (split_k.py), applies the epilogue
 in fp32 (source from epilogue.triton_body) and stores in the output's dtype (and, for an epilogue with an aux
 node, that node's value to the second output `aux`, at the same offsets; for a bn_stats root, each tile's
-column sums of g and g * (x - mean), over the g it stored, to row `row_block` of the fp32 [row blocks, 2, C]
+column sums of g and g * (x - mean), over the g it stored, to column `row_block` of the fp32 [2, C, stats_rows]
 `stats`). Only this glue is generated;
 the mainloops are written once. The source is written under <cache_dir>/kernels/<family>_<hash>.py and
 imported from there, because Triton reads a kernel's source file, and so that a user can read what ran.
@@ -60,8 +60,8 @@ def kernel_source(family: Family, signature: str) -> str:
     tree = epi.parse(signature)
     aux = epi.aux_value(tree) is not None  # a second output, laid out like `out`
     stats = epi.stats_node(tree)
-    params = ["out", *(["aux"] if aux else []), *(["stats"] if stats else []), "ws", "tickets", *family.args,
-              family.s_out_c, *epi.triton_params(tree)]
+    params = ["out", *(["aux"] if aux else []), *(["stats", "stats_rows"] if stats else []), "ws", "tickets",
+              *family.args, family.s_out_c, *epi.triton_params(tree)]
     params += [f"{c}: tl.constexpr" for c in (*family.constexprs, "PDL")]
     call_args = ", ".join([*(["tile_id"] if family.loop else []), *family.args, *family.constexprs])
     aux_store = (f"tl.store(aux + out_rows[:, None] + offs_c[None, :] * {family.s_out_c}, "
@@ -71,9 +71,9 @@ def kernel_source(family: Family, signature: str) -> str:
         x, mean = (f"v{o.slot}" for o in stats.args[1:])
         stats_store = f"""# batch-norm backward's partial sums over the g just stored, as its own pass would read g
 g_st = tl.where(mask, y.to(out.dtype.element_ty).to(tl.float32), 0.0)
-st = stats + row_block * (2 * {family.n_cols}) + offs_c
+st = stats + offs_c * stats_rows + row_block  # [2, C, rows]: the sum over rows runs along contiguous memory
 tl.store(st, sum_rows(g_st), mask=stat_ok)
-tl.store(st + {family.n_cols}, sum_rows(g_st * ({x} - {mean})), mask=stat_ok)"""
+tl.store(st + {family.n_cols} * stats_rows, sum_rows(g_st * ({x} - {mean})), mask=stat_ok)"""
     tile_body = f"""acc, tile, pid_k, s_idx, p_idx, row_ok, out_rows, offs_c, row_block = {family.mainloop}({call_args})
 mask_c = offs_c < {family.n_cols}
 mask = row_ok[:, None] & mask_c[None, :]

@@ -6,8 +6,8 @@ Entry points: `conv2d(x, w, operands, signature, stride, padding, dilation, out,
 (ops/fused.py calls those). A None config is the heuristic default; the tuner passes measured ones.
 `out` is preallocated by the caller; the kernels write into it through its own strides. An epilogue with an aux
 node also writes `aux` (conv2d, gemm and epilogue take it), laid out like `out`. An epilogue with a bn_stats root
-also writes `stats`, fp32 [2, C] (conv2d_dgrad and epilogue take it): each row block's sums go to a workspace,
-which one torch.sum then adds up in a fixed order.
+also writes `stats`, fp32 [2, C] (conv2d_dgrad and epilogue take it): each row block's sums go to a [2, C, row
+blocks] workspace, which one torch.sum then adds up in a fixed order, along its contiguous last dim.
 """
 from __future__ import annotations
 
@@ -124,11 +124,11 @@ class Plan:
             op_args += [t, *strides]
         outs = (out,) if aux is None else (out, aux)  # the aux output is written through out's offsets
         if stats is not None:
-            partials = torch.empty((self.row_blocks, *stats.shape), dtype=torch.float32, device=out.device)
-            outs += (partials,)
+            partials = torch.empty((*stats.shape, self.row_blocks), dtype=torch.float32, device=out.device)
+            outs += (partials, self.row_blocks)
         self.kernel[self.grid](*outs, ws, tickets, *tensors, *self.head, *op_args, **self.meta)
         if stats is not None:
-            torch.sum(partials, 0, out=stats)
+            torch.sum(partials, -1, out=stats)
         return out
 
 
