@@ -26,9 +26,10 @@ class Config:
     batch_norm_backward: bool = True
     ("Run training's batch-norm backward on resfuse's Triton kernel (three deterministic passes) instead of "
      "ATen's, where the fused ops run on Triton.")
-    bn_backward_sums: bool = True
+    bn_backward_sums: bool = False
     ("Compute batch-norm backward's per-channel sums in the epilogue of the conv data gradient that produces its "
-     "grad_out (with batch_norm_backward), instead of in a pass of their own over grad_out and x.")
+     "grad_out (with batch_norm_backward), instead of in a pass of their own over grad_out and x. Off: on an H100 "
+     "the epilogue's extra read of x cost what the pass saved, and a ResNet-50 step got 1.3% slower (BENCHMARKS.md).")
     max_pool: bool = True
     ("Run max-pool and its backward on resfuse's Triton kernels instead of ATen's, where the fused ops run on "
      "Triton; a relu gradient right after the pool's is applied on the way out, and an inference pool computes "

@@ -1,4 +1,5 @@
 """End to end through the Triton kernels: a compiled block whose fused ops run under Triton's interpreter."""
+import pytest
 import torch
 
 import resfuse
@@ -119,11 +120,12 @@ def test_batched_product_viewed_as_4d_keeps_its_view_outside():
         assert rel(compiled(q, k, bias), Scores()(q, k, bias)) < 1e-5
 
 
-def test_grouped_and_depthwise_convs_fuse_forward_and_data_gradient():
+@pytest.mark.parametrize("bn_sums", [False, True])
+def test_grouped_and_depthwise_convs_fuse_forward_and_data_gradient(bn_sums):
     """A grouped (groups=4) and a depthwise conv in a training step: their forward epilogues and their data
-    gradients (with relu's gradient, the skip-gradient add and the sums of the batch norm before them) fuse and
-    run cuDNN + our epilogue kernel (ATen's conv on CPU), while the groups=1 ops run our kernels; gradients equal
-    eager's."""
+    gradients (with relu's gradient, the skip-gradient add and, with bn_backward_sums, the sums of the batch norm
+    before them) fuse and run cuDNN + our epilogue kernel (ATen's conv on CPU), while the groups=1 ops run our
+    kernels; gradients equal eager's."""
     import copy
 
     class Grouped(torch.nn.Module):
@@ -142,8 +144,10 @@ def test_grouped_and_depthwise_convs_fuse_forward_and_data_gradient():
     model = Grouped().train()
     twin, exact = copy.deepcopy(model), copy.deepcopy(model).double()
     torch._dynamo.reset()
-    compiled = resfuse.compile(model, interpret=True)
+    compiled = resfuse.compile(model, interpret=True, bn_backward_sums=bn_sums)
     x = torch.randn(2, 8, 5, 5)
+    from resfuse.ops import PATHS
+    sums_before, plain_before = (PATHS[("batch_norm_backward", s, "triton")] for s in ("sums", ""))
     for net, inp in ((compiled, x), (twin, x), (exact, x.double())):
         net(inp.clone()).square().sum().backward()
 
@@ -156,8 +160,12 @@ def test_grouped_and_depthwise_convs_fuse_forward_and_data_gradient():
         assert err(p, r) <= 10 * err(q, r) + 1e-6, name
     dgrads = {f.shapes["inputs"][1][1]: (f.ops, f.ran) for f in compiled.resfuse_report.fusions
               if f.anchor == "conv2d_dgrad"}
-    assert dgrads[1] == (["drelu", "bn_sums"], "epilogue")  # depthwise: weight [8, 1, 3, 3]
-    assert dgrads[2] == (["add", "drelu", "bn_sums"], "epilogue")  # groups=4, absorbing the skip-gradient add
+    sums = ["bn_sums"] if bn_sums else []
+    assert dgrads[1] == (["drelu", *sums], "epilogue")  # depthwise: weight [8, 1, 3, 3]
+    assert dgrads[2] == (["add", "drelu", *sums], "epilogue")  # groups=4, absorbing the skip-gradient add
+    # the batch norms' backward took those sums instead of computing them (the last one's grad_out is relu's)
+    assert (PATHS[("batch_norm_backward", "sums", "triton")] - sums_before, PATHS[("batch_norm_backward", "", "triton")]
+            - plain_before) == ((2, 1) if bn_sums else (0, 3))
 
 
 class _Stem(torch.nn.Module):

@@ -66,9 +66,9 @@ def test_random_residual_nets_train_like_eager(net, epilogue, add_to_output, dyn
 
 
 @settings(max_examples=max(1, EXAMPLES // 4), deadline=None)
-@given(networks(), st.integers(0, 2**16))
-def test_random_residual_nets_train_like_eager_through_the_triton_kernels(net, seed):
-    report = check_one_step(net, seed, interpret=True)
+@given(networks(), st.integers(0, 2**16), st.booleans())
+def test_random_residual_nets_train_like_eager_through_the_triton_kernels(net, seed, bn_sums):
+    report = check_one_step(net, seed, interpret=True, bn_backward_sums=bn_sums)
     for f in report.fusions:  # a grouped conv (but a depthwise forward) runs cuDNN (ATen on CPU) + our epilogue
         # kernel; the rest ours
         x_shape, w_shape = f.shapes["inputs"]  # (paths are counted per signature, which convs may share)
