@@ -85,12 +85,22 @@ def test_1x1_dgrad_sums_on_the_gemm_tma_mainloops(data, dtype, n, c8, k8, hw, sp
 
 
 @settings(max_examples=20, deadline=None)
-@given(data=st.data(), dtype=st.sampled_from(DTYPES), n=st.integers(1, 3), c=st.sampled_from([1, 5, 33, 64, 130]),
-       hw=pair(st.integers(1, 9), st.integers(1, 9)), in_place=st.booleans())
+@given(data=st.data(), dtype=st.sampled_from(DTYPES), n=st.integers(1, 4), c=st.sampled_from([1, 5, 33, 64, 130]),
+       hw=pair(st.integers(1, 17), st.integers(1, 17)), in_place=st.booleans())
 def test_epilogue_kernel_sums(data, dtype, n, c, hw, in_place):
     """The "epilogue" provider's second kernel (after cuDNN's dgrad), in place on the accumulator as it runs."""
-    tree, roles = data.draw(trees())
-    shape = (n, c, *hw)
+    _epilogue_kernel_sums(data.draw(trees()), dtype, (n, c, *hw), in_place)
+
+
+@pytest.mark.parametrize("shape", [(3, 130, 13, 11), (2, 40, 17, 16), (1, 70, 9, 31)])
+def test_epilogue_kernel_sums_over_several_row_blocks(shape):
+    """Tiles of 128 rows at 130 channels, 512 at 40, 256 at 70: each of these shapes spans several."""
+    _epilogue_kernel_sums((epi.parse(RESNET), [("full", "any"), ("full", "any")]), torch.float16, shape, False)
+
+
+def _epilogue_kernel_sums(drawn, dtype, shape, in_place):
+    tree, roles = drawn
+    c = shape[1]
     acc = torch.randn(shape).to(dtype).contiguous(memory_format=torch.channels_last)
     acc64 = acc.double()
     operands = [make_operand(role, kind, shape, 1, dtype) for kind, role in roles]
