@@ -54,8 +54,9 @@ def batch_norm_backward(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             if why:
                 ctx.reject(node, f"batch-norm backward's sums stay a pass of their own: {why}")
             summed += why is None
+    if summed:
+        gm.graph.lint()  # the sums rewrite moved nodes: check the graph's order before it runs
     if done:
-        gm.graph.lint()
         gm.recompile()
         ctx.report.rewrites.append(f"{ctx.graph} graph: {done} batch-norm backward(s) on resfuse's kernel")
     if summed:
