@@ -76,6 +76,7 @@ def peers():
         "resfuse+graphs-eager-rest": lambda m: resfuse.compile(m, cuda_graphs=True, remainder="eager"),
         "resfuse+graphs-no-pdl": lambda m: resfuse.compile(m, cuda_graphs=True, pdl=False),
         "resfuse+graphs-no-sums": lambda m: resfuse.compile(m, cuda_graphs=True, bn_backward_sums=False),
+        "resfuse+graphs-sums": lambda m: resfuse.compile(m, cuda_graphs=True, bn_backward_sums=True),
         "resfuse+graphs-no-pdl-no-sums": lambda m: resfuse.compile(m, cuda_graphs=True, pdl=False,
                                                                     bn_backward_sums=False),
     }

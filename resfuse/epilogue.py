@@ -338,16 +338,20 @@ def triton_params(tree: Node) -> list[str]:
     return [f"{p}{o.slot}" for o in operands(tree) for p in ("op", "op_sn", "op_sp", "op_sc")]
 
 
-def triton_body(tree: Node, out: str = "y") -> str:
+def triton_body(tree: Node, out: str = "y", tma_slots: tuple[int, ...] = ()) -> str:
     """Source that loads the operands and assigns the epilogue value to `out` (and an aux node's to `aux_y`).
 
     It expects in scope: `acc` [BM, BC] fp32, `offs_c` [BC], `mask_c` [BC], `s_idx` and `p_idx` [BM] (the
-    sample and row of each output row), and `mask` [BM, BC].
+    sample and row of each output row), and `mask` [BM, BC]. A full operand whose slot is in `tma_slots` is a
+    tensor descriptor of an [M, C] matrix whose rows are the output's, read as the [BM, BC] box at (row0, col0),
+    which must be in scope too (boxes past the edges read zeros, as the masked loads do).
     """
     lines = []
     for o in operands(tree):
         i = o.slot
-        if o.kind == "c":
+        if i in tma_slots:
+            lines.append(f"v{i} = op{i}.load([row0, col0]).to(tl.float32)")
+        elif o.kind == "c":
             lines.append(f"v{i} = tl.load(op{i} + offs_c * op_sc{i}, mask=mask_c, other=0.0).to(tl.float32)[None, :]")
         else:
             rows = f"s_idx[:, None] * op_sn{i}" + (f" + p_idx[:, None] * op_sp{i}" if o.kind == "full" else "")

@@ -103,12 +103,13 @@ class Plan:
     scalar arguments and each operand's [S, P, C] strides. A call only fills in the tensors."""
 
     def __init__(self, kernel, grid, head: list, operand_strides: list, meta: dict, ws_shape: tuple,
-                 device: torch.device, prepare=None, row_blocks: int = 0):
+                 device: torch.device, prepare=None, row_blocks: int = 0, operand_boxes: dict | None = None):
         self.kernel, self.grid, self.head, self.ws_shape = kernel, grid, head, ws_shape
         self.row_blocks = row_blocks  # the mainloop's row_block count (codegen.Family): a bn_stats root's partials
         self.meta = dict(meta, **pdl_meta(device))
         self.operand_strides = operand_strides  # None where the [S, P, C] view is not a view (a copy each call)
         self.prepare = prepare  # the inputs -> what the kernel takes for them (TMA descriptors), or None
+        self.operand_boxes = operand_boxes or {}  # slot -> a descriptor's (shape, strides, box): descriptor_operands
 
     def launch(self, tensors: tuple, out, operands, signature: str, out_shape, channel_dim: int, aux=None,
                stats=None):
@@ -121,6 +122,9 @@ class Plan:
             if strides is None:
                 views = views or epi.operand_views(epi.parse(signature), operands, out_shape, channel_dim)
                 t, strides = views[i], views[i].stride()
+            elif i in self.operand_boxes:
+                from triton.tools.tensor_descriptor import TensorDescriptor
+                t = TensorDescriptor(t, *self.operand_boxes[i])
             op_args += [t, *strides]
         outs = (out,) if aux is None else (out, aux)  # the aux output is written through out's offsets
         if stats is not None:
@@ -170,8 +174,30 @@ def _check_outputs(signature: str, out: torch.Tensor, channel_dim: int, aux: tor
 
 
 def plan_key(*parts) -> tuple:
-    key = tuple((p.shape, p.stride(), p.dtype, p.device) if isinstance(p, torch.Tensor) else p for p in parts)
+    """A Plan's cache key: the tensors' shapes, strides, dtypes, devices and whether their base is 16-byte
+    aligned (what a tensor descriptor needs), the other parts as they are."""
+    key = tuple((p.shape, p.stride(), p.dtype, p.device, p.data_ptr() % 16 == 0) if isinstance(p, torch.Tensor)
+                else p for p in parts)
     return (*key, options()["pdl"])
+
+
+def descriptor_operands(signature: str, operands, out_shape, channel_dim: int, m: int, n: int, box: list) -> dict:
+    """{slot: (shape, strides, box)}: the full operands a TMA family (codegen.Family.origin) reads through tensor
+    descriptors. Each must be an fp16/bf16 [M, N] matrix whose rows are the output's rows (the [S, P, C] view
+    with samples and rows merged), its rows contiguous, base and row stride 16-byte aligned; the others keep
+    their pointer loads. (fp32 operands keep them too: a fp32 box doubles the epilogue's shared memory.)"""
+    tree = epi.parse(signature)
+    found = {}
+    for o, t, v in zip(epi.operands(tree), operands, epi.operand_views(tree, operands, out_shape, channel_dim)):
+        if o.kind != "full" or v.data_ptr() != t.data_ptr() or v.dtype not in (torch.float16, torch.bfloat16):
+            continue
+        (s, p, c), (s_s, s_p, s_c) = v.shape, v.stride()
+        row = s_p if p > 1 else s_s if s > 1 else c
+        merged = s == 1 or p == 1 or s_s == p * s_p
+        if (s * p, c) != (m, n) or s_c != 1 or not merged or row * 2 % 16 or v.data_ptr() % 16:
+            continue
+        found[o.slot] = ([m, n], [row, 1], box)
+    return found
 
 
 def operand_strides(signature: str, operands, out_shape, channel_dim: int) -> list:
@@ -248,13 +274,17 @@ def _tma_plan(as_matrices, inputs, operands, signature, out, channel_dim, cfg, s
     meta = dict(BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, SPLIT_K=split, B_KN=b_kn,
                 PRECISION=_precision(a.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     strides = operand_strides(signature, operands, out.shape, channel_dim)
+    # a split's epilogue runs only in its last program, so the others must not load the operands: pointers
+    boxes = descriptor_operands(signature, operands, out.shape, channel_dim, m, n, [bm, bn]) if split == 1 else {}
+    slots = tuple(sorted(boxes))
     if cfg.persistent and split == 1:
         programs = min(tiles_mn, cfg.persistent * sm_count(a.device))
-        return Plan(codegen.load(PERSISTENT_FAMILY, signature), (programs, 1, 1),
+        return Plan(codegen.load(PERSISTENT_FAMILY, signature, slots), (programs, 1, 1),
                     [m, n, k, rps, s_os, s_om, tiles_mn, s_on], strides, meta, (tiles_mn, 1, bm, bn), out.device,
-                    descriptors, triton.cdiv(m, bm))
-    return Plan(codegen.load(GEMM_TMA_FAMILY, signature), (tiles_mn, 1, split), [m, n, k, rps, s_os, s_om, s_on],
-                strides, dict(meta, WS=cfg.ws), (tiles_mn, split, bm, bn), out.device, descriptors, triton.cdiv(m, bm))
+                    descriptors, triton.cdiv(m, bm), boxes)
+    return Plan(codegen.load(GEMM_TMA_FAMILY, signature, slots), (tiles_mn, 1, split),
+                [m, n, k, rps, s_os, s_om, s_on], strides, dict(meta, WS=cfg.ws), (tiles_mn, split, bm, bn),
+                out.device, descriptors, triton.cdiv(m, bm), boxes)
 
 
 def conv_as_gemm(x: torch.Tensor, w: torch.Tensor, stride, padding, out_strides):

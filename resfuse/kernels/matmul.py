@@ -108,18 +108,25 @@ def gemm_tma_tile(pid, pid_k, a_desc, b_desc, M, N, K, RPS, s_os, s_om,
     return acc, pid, pid_k, sample, p_idx, offs_m < M, sample * s_os + p_idx * s_om, offs_n, tile_m
 
 
+@triton.jit
+def gemm_tma_origin(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """The first row and column of gemm_tma_tile's tile `tile` (codegen's Family.origin)."""
+    tile_m, tile_n = swizzle_tile(tile, cdiv(M, BM), cdiv(N, BN), GROUP_M)
+    return tile_m * BM, tile_n * BN
+
+
 TMA_FAMILY = Family(
     name="gemm_tma", module=__name__, mainloop="gemm_tma_mainloop",
     args=("a_desc", "b_desc", "M", "N", "K", "RPS", "s_os", "s_om"),
     constexprs=("BM", "BN", "BK", "GROUP_M", "SPLIT_K", "B_KN", "PRECISION", "WS"),
-    n_cols="N", s_out_c="s_on",
+    n_cols="N", s_out_c="s_on", origin="gemm_tma_origin(tile, M, N, BM, BN, GROUP_M)",
 )
 
 PERSISTENT_FAMILY = Family(
     name="gemm_tma_persistent", module=__name__, mainloop="gemm_tma_persistent_mainloop",
     args=("a_desc", "b_desc", "M", "N", "K", "RPS", "s_os", "s_om", "TILES"),
     constexprs=("BM", "BN", "BK", "GROUP_M", "SPLIT_K", "B_KN", "PRECISION"),
-    n_cols="N", s_out_c="s_on", loop="TILES",
+    n_cols="N", s_out_c="s_on", loop="TILES", origin="gemm_tma_origin(tile, M, N, BM, BN, GROUP_M)",
 )
 
 

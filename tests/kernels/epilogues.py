@@ -121,6 +121,22 @@ def with_layout(t: torch.Tensor, how: str) -> torch.Tensor:
     return t.contiguous()
 
 
+def descriptor_slots(tree, operands, out_shape, channel_dim: int, split: int) -> tuple:
+    """The operand slots the GEMM's TMA families read through tensor descriptors: full fp16/bf16 operands whose
+    rows, the output's, form one row-major matrix with 16-byte aligned rows; none when the reduction is split."""
+    slots = []
+    for o, t in zip(epi.operands(tree), operands):
+        if o.kind != "full" or t.dtype == torch.float32 or split > 1:
+            continue
+        v = epi.rows3(t, out_shape, channel_dim)
+        matrix = v.reshape(-1, v.shape[-1])  # a view only where the rows merge
+        row = matrix.stride(0) if matrix.shape[0] > 1 else matrix.shape[1]  # one row: any stride would do
+        if (matrix.data_ptr() == t.data_ptr() and v.stride(-1) == 1 and row * t.element_size() % 16 == 0
+                and t.data_ptr() % 16 == 0):
+            slots.append(o.slot)
+    return tuple(slots)
+
+
 def reference(acc64: torch.Tensor, tree, operands, channel_dim: int) -> torch.Tensor:
     """The epilogue in float64 on a float64 accumulator, as [S, P, C]."""
     acc3 = epi.rows3(acc64, acc64.shape, channel_dim)

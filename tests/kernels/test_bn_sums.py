@@ -10,7 +10,7 @@ from resfuse import epilogue as epi
 from resfuse import kernels
 from resfuse.kernels import conv2d_bwd_data, launch
 
-from .epilogues import assert_close, forced_split, make_operand, reference, trees, with_layout
+from .epilogues import assert_close, descriptor_slots, forced_split, make_operand, reference, trees, with_layout
 from .test_batch_norm_backward import _aten64, _check as _check_bn_backward
 from .test_conv2d_dgrad import DTYPES, RESNET, _check, _problem, out_size
 
@@ -71,7 +71,8 @@ def test_1x1_dgrad_sums_on_the_gemm_tma_mainloops(data, dtype, n, c8, k8, hw, sp
     c, k = 8 * c8, 8 * k8  # 16-byte rows: the TMA mainloops, not the fallback
     tree, roles = data.draw(trees())
     grad_out, w, in_shape = _problem(n, c, k, hw, (1, 1), (1, 1), (0, 0), (1, 1), dtype, "channels_last")
-    operands = [make_operand(role, kind, in_shape, 1, dtype) for kind, role in roles]
+    layouts = [data.draw(st.sampled_from([0, 1])) for _ in roles]  # NCHW or channels_last
+    operands = [make_operand(role, kind, in_shape, 1, dtype, lay) for (kind, role), lay in zip(roles, layouts)]
     stats_tree, all_ops = _with_sums(tree, operands, in_shape, dtype, "channels_last")
     out = torch.full(in_shape, float("nan"), dtype=dtype).contiguous(memory_format=torch.channels_last)
     sums = _poisoned_sums(c)
@@ -79,7 +80,9 @@ def test_1x1_dgrad_sums_on_the_gemm_tma_mainloops(data, dtype, n, c8, k8, hw, sp
                                       num_stages=2, tma=True, persistent=persistent)
     launch.conv2d_dgrad(grad_out, w, all_ops, str(stats_tree), [1, 1], [0, 0], [1, 1], out, cfg, sums)
     family = "gemm_tma_persistent" if persistent else "gemm_tma"
-    assert (family, str(stats_tree)) in kernels.codegen._LOADED
+    slots = descriptor_slots(stats_tree, all_ops, in_shape, 1, cfg.split_k)
+    assert (len(operands) in slots) == (dtype != torch.float32 and cfg.split_k == 1)  # x: channels_last
+    assert (family, kernels.codegen.variant(str(stats_tree), slots)) in kernels.codegen._LOADED
     _check(out, grad_out, w, tree, operands, (1, 1), (0, 0), (1, 1), dtype)
     _check_sums(sums, out, *all_ops[-2:])
 

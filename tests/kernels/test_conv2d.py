@@ -8,8 +8,8 @@ from resfuse import epilogue as epi
 from resfuse.kernels import codegen, launch
 from resfuse.ops.fused import conv_out_shape
 
-from .epilogues import (assert_close, check_aux, forced_split, make_operand, poisoned_aux, reference, trees,
-                        with_layout)
+from .epilogues import (assert_close, check_aux, descriptor_slots, forced_split, make_operand, poisoned_aux, reference,
+                        trees, with_layout)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -102,7 +102,9 @@ def test_1x1_conv_on_the_tma_mainloop(data, dtype, n, c8, k, hw, out_layout, spl
     cfg = launch.ConvConfig(*tile, group_m=2, split_k=1 if persistent else split, num_warps=4, num_stages=2, tma=True,
                             persistent=persistent)
     launch.conv2d(x, w, operands, str(tree), [1, 1], [0, 0], [1, 1], out, cfg)
-    assert (("gemm_tma_persistent", str(tree)) in codegen._LOADED) or not persistent  # not the fallback
+    family = "gemm_tma_persistent" if persistent else "gemm_tma"
+    slots = descriptor_slots(tree, operands, out_shape, 1, cfg.split_k)
+    assert (family, codegen.variant(str(tree), slots)) in codegen._LOADED  # not the fallback
     acc = F.conv2d(x.double(), w.double())
     assert_close(epi.rows3(out, out.shape, 1), reference(acc, tree, operands, 1), dtype)
 

@@ -7,7 +7,7 @@ from hypothesis import assume, given, settings, strategies as st
 from resfuse import epilogue as epi
 from resfuse.kernels import codegen, conv2d_bwd_data, launch
 
-from .epilogues import assert_close, forced_split, make_operand, reference, trees, with_layout
+from .epilogues import assert_close, descriptor_slots, forced_split, make_operand, reference, trees, with_layout
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 RESNET = "threshold_bwd[#0.0](add(acc,full0),full1)"  # relu_backward(dgrad + grad_shortcut, relu_out)
@@ -175,7 +175,8 @@ def test_1x1_dgrad_on_the_gemm_tma_mainloop(data, dtype, n, c, k8, hw, w_layout,
                                       num_stages=2, tma=True, persistent=persistent)
     launch.conv2d_dgrad(grad_out, w, operands, str(tree), [1, 1], [0, 0], [1, 1], out, cfg)
     family = "gemm_tma_persistent" if persistent else "gemm_tma"
-    assert ((family, str(tree)) in codegen._LOADED) or not tma  # not the fallback
+    slots = descriptor_slots(tree, operands, in_shape, 1, cfg.split_k)
+    assert ((family, codegen.variant(str(tree), slots)) in codegen._LOADED) or not tma  # not the fallback
     _check(out, grad_out, w, tree, operands, (1, 1), (0, 0), (1, 1), dtype)
 
 
