@@ -36,11 +36,18 @@ def ewise_mainloop(src, M, N, RPS, s_ss, s_sp, s_sc, s_os, s_op,
     return acc.to(tl.float32), pid, 0, s_idx, p_idx, row_ok, s_idx * s_os + p_idx * s_op, offs_n, tile_m
 
 
+@triton.jit
+def ewise_origin(tile, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """The first row and column of ewise_mainloop's tile `tile` (codegen's Family.origin)."""
+    tiles_n = cdiv(N, BN)
+    return (cdiv(M, BM) - 1 - tile // tiles_n) * BM, (tile % tiles_n) * BN
+
+
 FAMILY = Family(
     name="ewise", module=__name__, mainloop="ewise_mainloop",
     args=("src", "M", "N", "RPS", "s_ss", "s_sp", "s_sc", "s_os", "s_op"),
     constexprs=("BM", "BN", "SPLIT_K"),
-    n_cols="N", s_out_c="s_oc",
+    n_cols="N", s_out_c="s_oc", origin="ewise_origin(tile, M, N, BM, BN)",
 )
 
 

@@ -90,6 +90,12 @@ def _pdl_supported(device: torch.device) -> bool:
     return tiles.gdc_wait is not None and "launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)}
 
 
+@functools.lru_cache(maxsize=None)
+def _bulk_copies(device: torch.device) -> bool:
+    """Can kernels on `device` read through tensor descriptors (TMA, Hopper and later; or the interpreter)?"""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def pdl_meta(device: torch.device) -> dict:
     """The launch options of a kernel's PDL switch (its first statement, tiles.dependent_launch): programmatic
     dependent launch on Hopper and later, when the option is on and the installed triton has it; else off."""
@@ -188,6 +194,8 @@ def descriptor_operands(signature: str, operands, out_shape, channel_dim: int, m
     their pointer loads. (fp32 operands keep them too: a fp32 box doubles the epilogue's shared memory.)"""
     tree = epi.parse(signature)
     found = {}
+    if max(box) > 256 or not _bulk_copies(operands[0].device if operands else torch.device("cpu")):
+        return found  # a descriptor's box spans at most 256 elements a dim
     for o, t, v in zip(epi.operands(tree), operands, epi.operand_views(tree, operands, out_shape, channel_dim)):
         if o.kind != "full" or v.data_ptr() != t.data_ptr() or v.dtype not in (torch.float16, torch.bfloat16):
             continue
@@ -496,6 +504,7 @@ def _ewise_plan(acc, operands, signature, out, channel_dim) -> Plan | None:
     tiles = triton.cdiv(s * p, cfg.block_m) * triton.cdiv(c, cfg.block_n)
     head = [s * p, c, p, *acc3.stride(), out3.stride(0), out3.stride(1), out3.stride(2)]
     meta = dict(BM=cfg.block_m, BN=cfg.block_n, SPLIT_K=1, num_warps=cfg.num_warps)
-    return Plan(codegen.load(EWISE_FAMILY, signature), (tiles, 1, 1), head,
+    boxes = descriptor_operands(signature, operands, out.shape, channel_dim, s * p, c, [cfg.block_m, cfg.block_n])
+    return Plan(codegen.load(EWISE_FAMILY, signature, tuple(sorted(boxes))), (tiles, 1, 1), head,
                 operand_strides(signature, operands, out.shape, channel_dim), meta, (tiles, 1, cfg.block_m, cfg.block_n),
-                out.device, row_blocks=triton.cdiv(s * p, cfg.block_m))
+                out.device, row_blocks=triton.cdiv(s * p, cfg.block_m), operand_boxes=boxes)
