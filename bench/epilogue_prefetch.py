@@ -103,6 +103,22 @@ def timed(fn, reps: int = 25) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def setup() -> tuple[int, float]:
+    """(SMs, copy bandwidth in bytes a second), printed; Triton's allocator for descriptors set."""
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    return torch.cuda.get_device_properties(0).multi_processor_count, bw
+
+
+def problem(m: int, n: int, k: int, full: int) -> tuple:
+    """A [M, K], B [K, N] (scaled so the product stays O(1)) and `full` random [M, N] operands, all fp16."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=g)
+    b = torch.randn(k, n, device="cuda", dtype=torch.float16, generator=g) / k ** 0.5
+    return (a, b, *(torch.randn(m, n, device="cuda", dtype=torch.float16, generator=g) for _ in range(full)))
+
+
 def copy_bandwidth() -> float:
     """Bytes a second of a 1 GiB device-to-device copy (read + write)."""
     src = torch.empty(1 << 29, dtype=torch.float16, device="cuda")
@@ -123,17 +139,10 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--loads", default=",".join(LOADS), help="which of " + ", ".join(LOADS))
     args = ap.parse_args()
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    bw = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    sms, bw = setup()
     records, table = [], []
     for m, n, k in SHAPES:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        a = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=g)
-        b = torch.randn(k, n, device="cuda", dtype=torch.float16, generator=g) / k ** 0.5
-        r1 = torch.randn(m, n, device="cuda", dtype=torch.float16, generator=g)
-        r2 = torch.randn(m, n, device="cuda", dtype=torch.float16, generator=g)
+        a, b, r1, r2 = problem(m, n, k, 2)
         out = torch.empty(m, n, device="cuda", dtype=torch.float16)
         ref = {1: torch.relu(a.float() @ b.float() + r1.float()),
                2: torch.where(r2 > 0, a.float() @ b.float() + r1.float(), 0.0)}

@@ -26,7 +26,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench.epilogue_prefetch import SHAPES, TILES, copy_bandwidth, timed  # noqa: E402
+from bench.epilogue_prefetch import SHAPES, TILES, problem, setup, timed  # noqa: E402
 from resfuse.kernels.activations import sum_rows  # noqa: E402
 from resfuse.kernels.tiles import cdiv, swizzle_tile  # noqa: E402
 
@@ -94,16 +94,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    bw = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    sms, bw = setup()
     records, table = [], []
     for m, n, k in SHAPES:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        a = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=g)
-        b = torch.randn(k, n, device="cuda", dtype=torch.float16, generator=g) / k ** 0.5
-        r1, r2, x = (torch.randn(m, n, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
+        a, b, r1, r2, x = problem(m, n, k, 3)
         x = x * 2 + 3
         mean = x.float().mean(0)
         out = torch.empty(m, n, device="cuda", dtype=torch.float16)
