@@ -194,8 +194,8 @@ def descriptor_operands(signature: str, operands, out_shape, channel_dim: int, m
     their pointer loads. (fp32 operands keep them too: a fp32 box doubles the epilogue's shared memory.)"""
     tree = epi.parse(signature)
     found = {}
-    if max(box) > 256 or not _bulk_copies(operands[0].device if operands else torch.device("cpu")):
-        return found  # a descriptor's box spans at most 256 elements a dim
+    if not operands or max(box) > 256 or not _bulk_copies(operands[0].device):
+        return found  # a descriptor's box spans at most 256 elements a dim; TMA needs Hopper or later
     for o, t, v in zip(epi.operands(tree), operands, epi.operand_views(tree, operands, out_shape, channel_dim)):
         if o.kind != "full" or v.data_ptr() != t.data_ptr() or v.dtype not in (torch.float16, torch.bfloat16):
             continue
