@@ -39,7 +39,7 @@ from . import codegen
 from .codegen import Family
 from .activations import sum_rows
 from .elementwise import ewise_mainloop
-from .launch import Plan, operand_strides, pdl_meta, plan_key, sm_count
+from .plan import Plan, operand_strides, pdl_meta, plan_key, sm_count
 from .tiles import cdiv, dependent_launch
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -216,7 +216,7 @@ def default_config(p: BnProblem) -> BnConfig:
 # ---- launch ------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class _BnPlan:
-    """What one call needs that depends only on shapes, strides, dtypes and the config (see launch.Plan)."""
+    """What one call needs that depends only on shapes, strides, dtypes and the config (see plan.Plan)."""
     m: int
     c: int
     rps: int
@@ -231,7 +231,7 @@ class _BnPlan:
     has_b: bool
     has_running: bool
     apply: Plan
-    pdl: dict  # launch.pdl_meta's options for the statistics kernels
+    pdl: dict  # plan.pdl_meta's options for the statistics kernels
 
     def run(self, x, weight, bias, running_mean, running_var, operands, signature, momentum, eps, out):
         y = out if out is not None else torch.empty_like(x, memory_format=self.y_format)

@@ -34,7 +34,7 @@ import triton.language as tl
 from .. import epilogue as epi
 from .activations import sum_rows
 from .batch_norm import _DTYPES, TILE, BnConfig, _is_view3, _row_offsets, row_splits
-from .launch import pdl_meta, plan_key
+from .plan import pdl_meta, plan_key
 from .tiles import cdiv, dependent_launch
 
 
@@ -123,7 +123,7 @@ def bnb_apply_kernel(g, x, mean, ws, dx, M, C, RPS, s_gs, s_gp, s_gc, s_xs, s_xp
 
 @dataclasses.dataclass
 class _BnbPlan:
-    """What one call needs that depends only on shapes, strides, dtypes and the config (see launch.Plan)."""
+    """What one call needs that depends only on shapes, strides, dtypes and the config (see plan.Plan)."""
     m: int
     c: int
     rps: int
@@ -134,7 +134,7 @@ class _BnbPlan:
     splits: int
     finalize_c: int
     grad_dtype: torch.dtype
-    pdl: dict  # launch.pdl_meta's options for the three kernels
+    pdl: dict  # plan.pdl_meta's options for the three kernels
 
     def run(self, g, x, weight, save_mean, save_invstd, mask, dx, sums=None):
         g = g.contiguous() if self.copy[0] else g

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import pdl_meta
+from .plan import pdl_meta
 from .tiles import dependent_launch
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-try:  # griddepcontrol (programmatic dependent launch), Hopper and later; launch.pdl_meta checks for it
+try:  # griddepcontrol (programmatic dependent launch), Hopper and later; plan.pdl_meta checks for it
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # an older triton: PDL stays off, and the kernels' `if PDL:` branch is compiled out
     gdc_launch_dependents = gdc_wait = None
@@ -22,7 +22,7 @@ except ImportError:  # an older triton: PDL stays off, and the kernels' `if PDL:
 
 @triton.jit
 def dependent_launch(PDL: tl.constexpr):
-    """A kernel's first statement. Under programmatic dependent launch (launch.pdl_meta) its programs may start
+    """A kernel's first statement. Under programmatic dependent launch (plan.pdl_meta) its programs may start
     while the previous kernel drains: wait for that kernel, its writes visible, before any load or store (it
     may still read the buffer this kernel writes), then let the next kernel's programs launch."""
     if PDL:

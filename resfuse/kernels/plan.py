@@ -1,0 +1,154 @@
+"""Plans: what one launch of a fused kernel needs that depends only on shapes, strides, dtypes and the config,
+computed once per key and reused (launch.py builds them, batch_norm*.py too).
+
+Entry points: `Plan` (its `launch` fills in the tensors, each call), `plan_key`, `cached_launch`, `operand_strides`
+(each operand's [S, P, C] strides), `descriptor_operands` (the full operands a TMA family reads through tensor
+descriptors), `pdl_meta` (programmatic dependent launch's options) and `sm_count`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from .. import epilogue as epi
+from . import options, split_k, tiles
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter runs programs one after another; split-K buys nothing there
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_supported(device: torch.device) -> bool:
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        return False
+    from triton.backends.nvidia.compiler import CUDAOptions
+    return tiles.gdc_wait is not None and "launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)}
+
+
+@functools.lru_cache(maxsize=None)
+def _bulk_copies(device: torch.device) -> bool:
+    """Can kernels on `device` read through tensor descriptors (TMA, Hopper and later; or the interpreter)?"""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def pdl_meta(device: torch.device) -> dict:
+    """The launch options of a kernel's PDL switch (its first statement, tiles.dependent_launch): programmatic
+    dependent launch on Hopper and later, when the option is on and the installed triton has it; else off."""
+    on = options()["pdl"] and not options()["interpret"] and _pdl_supported(device)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+class Plan:
+    """Everything about one launch that depends only on shapes, strides, dtypes and the config, computed once
+    per such key (the host time per call was mostly this, ~100 us a fused op): the kernel, the grid, the
+    scalar arguments and each operand's [S, P, C] strides. A call only fills in the tensors."""
+
+    def __init__(self, kernel, grid, head: list, operand_strides: list, meta: dict, ws_shape: tuple,
+                 device: torch.device, prepare=None, row_blocks: int = 0, operand_boxes: dict | None = None):
+        self.kernel, self.grid, self.head, self.ws_shape = kernel, grid, head, ws_shape
+        self.row_blocks = row_blocks  # the mainloop's row_block count (codegen.Family): a bn_stats root's partials
+        self.meta = dict(meta, **pdl_meta(device))
+        self.operand_strides = operand_strides  # None where the [S, P, C] view is not a view (a copy each call)
+        self.prepare = prepare  # the inputs -> what the kernel takes for them (TMA descriptors), or None
+        self.operand_boxes = operand_boxes or {}  # slot -> a descriptor's (shape, strides, box): descriptor_operands
+
+    def launch(self, tensors: tuple, out, operands, signature: str, out_shape, channel_dim: int, aux=None,
+               stats=None):
+        if self.prepare is not None:
+            tensors = self.prepare(*tensors)
+        ws, tickets = split_k.buffers(out, *self.ws_shape)
+        op_args = []
+        views = None
+        for i, (t, strides) in enumerate(zip(operands, self.operand_strides)):
+            if strides is None:
+                views = views or epi.operand_views(epi.parse(signature), operands, out_shape, channel_dim)
+                t, strides = views[i], views[i].stride()
+            elif i in self.operand_boxes:
+                from triton.tools.tensor_descriptor import TensorDescriptor
+                t = TensorDescriptor(t, *self.operand_boxes[i])
+            op_args += [t, *strides]
+        outs = (out,) if aux is None else (out, aux)  # the aux output is written through out's offsets
+        if stats is not None:
+            partials = torch.empty((*stats.shape, self.row_blocks), dtype=torch.float32, device=out.device)
+            outs += (partials, self.row_blocks)
+        self.kernel[self.grid](*outs, ws, tickets, *tensors, *self.head, *op_args, **self.meta)
+        if stats is not None:
+            torch.sum(partials, -1, out=stats)
+        return out
+
+
+_PLANS: dict = {}
+
+
+def cached_launch(key, build, tensors: tuple, out, operands, signature: str, channel_dim: int, aux=None,
+                   stats=None):
+    """Launch with the Plan for `key`, built on first sight (None: nothing to compute, e.g. an empty output)."""
+    plan = _PLANS.get(key)
+    if plan is None:
+        check_outputs(signature, out, channel_dim, aux, stats)
+        plan = _PLANS[key] = build()
+    if plan is not None:
+        plan.launch(tensors, out, operands, signature, out.shape, channel_dim, aux, stats)
+    elif stats is not None:
+        stats.zero_()  # the sums over no rows
+    return out
+
+
+def check_outputs(signature: str, out: torch.Tensor, channel_dim: int, aux: torch.Tensor | None,
+                   stats: torch.Tensor | None) -> None:
+    """An epilogue with an aux node writes a second output, shaped and strided like `out` (its dtype may differ:
+    an fp32 output under a float32 marker keeps an fp16 aux); one with a bn_stats root, fp32 [2, C] sums."""
+    tree = epi.parse(signature)
+    wants = epi.aux_value(tree) is not None
+    if wants != (aux is not None):
+        raise ValueError(f"epilogue {signature} {'needs' if wants else 'has no'} aux output")
+    if aux is not None and (aux.shape != out.shape or aux.stride() != out.stride() or aux.device != out.device):
+        raise ValueError(f"aux output {tuple(aux.shape)} / {aux.stride()} is not laid out like the output "
+                         f"{tuple(out.shape)} / {out.stride()}")
+    wants = epi.stats_node(tree) is not None
+    if wants != (stats is not None):
+        raise ValueError(f"epilogue {signature} {'needs' if wants else 'has no'} statistics output")
+    if stats is not None and (stats.shape != (2, out.shape[channel_dim]) or stats.dtype != torch.float32
+                              or not stats.is_contiguous() or stats.device != out.device):
+        raise ValueError(f"statistics output {tuple(stats.shape)} {stats.dtype} is not a contiguous fp32 "
+                         f"[2, {out.shape[channel_dim]}] on {out.device}")
+
+
+def plan_key(*parts) -> tuple:
+    """A Plan's cache key: the tensors' shapes, strides, dtypes, devices and whether their base is 16-byte
+    aligned (what a tensor descriptor needs), the other parts as they are."""
+    key = tuple((p.shape, p.stride(), p.dtype, p.device, p.data_ptr() % 16 == 0) if isinstance(p, torch.Tensor)
+                else p for p in parts)
+    return (*key, options()["pdl"])
+
+
+def descriptor_operands(signature: str, operands, out_shape, channel_dim: int, m: int, n: int, box: list) -> dict:
+    """{slot: (shape, strides, box)}: the full operands a TMA family (codegen.Family.origin) reads through tensor
+    descriptors. Each must be an fp16/bf16 [M, N] matrix whose rows are the output's rows (the [S, P, C] view
+    with samples and rows merged), its rows contiguous, base and row stride 16-byte aligned; the others keep
+    their pointer loads. (fp32 operands keep them too: a fp32 box doubles the epilogue's shared memory.)"""
+    tree = epi.parse(signature)
+    found = {}
+    if not operands or max(box) > 256 or not _bulk_copies(operands[0].device):
+        return found  # a descriptor's box spans at most 256 elements a dim; TMA needs Hopper or later
+    for o, t, v in zip(epi.operands(tree), operands, epi.operand_views(tree, operands, out_shape, channel_dim)):
+        if o.kind != "full" or v.data_ptr() != t.data_ptr() or v.dtype not in (torch.float16, torch.bfloat16):
+            continue
+        (s, p, c), (s_s, s_p, s_c) = v.shape, v.stride()
+        row = s_p if p > 1 else s_s if s > 1 else c
+        merged = s == 1 or p == 1 or s_s == p * s_p
+        if (s * p, c) != (m, n) or s_c != 1 or not merged or row * 2 % 16 or v.data_ptr() % 16:
+            continue
+        found[o.slot] = ([m, n], [row, 1], box)
+    return found
+
+
+def operand_strides(signature: str, operands, out_shape, channel_dim: int) -> list:
+    views = epi.operand_views(epi.parse(signature), operands, out_shape, channel_dim)
+    return [v.stride() if v.data_ptr() == t.data_ptr() else None for v, t in zip(views, operands)]
