@@ -299,7 +299,7 @@ def test_dependent_launches_in_a_graph_wait_for_their_producer():
     it read, replayed from a CUDA graph with programmatic dependent launch on Hopper: every replay equals the
     float64 chain, so no kernel read its input, or wrote its output, before its producer had finished."""
     from resfuse import kernels
-    from resfuse.kernels import launch
+    from resfuse.kernels import launch, plan as plans
 
     kernels.set_options(pdl=True)
     torch.manual_seed(0)
@@ -319,7 +319,7 @@ def test_dependent_launches_in_a_graph_wait_for_their_producer():
     x = torch.randn(m, n, device=dev, dtype=torch.half)
     chain(x)  # builds the plans and compiles the kernels outside the capture
     plan = next(p for k, p in launch._PLANS.items() if k[0] == "gemm" and k[1] == sig)
-    assert plan.meta["PDL"] == (torch.cuda.get_device_capability() >= (9, 0) and launch._pdl_supported(dev))
+    assert plan.meta["PDL"] == (torch.cuda.get_device_capability() >= (9, 0) and plans._pdl_supported(dev))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = chain(x)
