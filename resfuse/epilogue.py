@@ -138,6 +138,12 @@ OPS: dict[str, OpSpec] = {
     # inference batch norm over per-channel mean, var, weight, bias; params: eps
     "bn": OpSpec(5, lambda x, m, v, w, b, eps: _bn_ref(x, m, v, w, b, eps),
                  lambda x, m, v, w, b, eps: f"(({x} - {m}) * tl.rsqrt({v} + {eps!r}) * {w} + {b})"),
+    # training batch norm's affine step over per-channel mean, scale (invstd * weight) and shift (bias), as
+    # kernels/batch_norm.py applies it: a residual block's shortcut batch norm, folded into the main path's
+    # batch norm, normalizes its input here (passes/shortcut_bn.py); the reference computes it as ATen's CPU
+    # kernel does, x * scale + (shift - mean * scale), so the reference path stays bit-identical to eager there
+    "normalize": OpSpec(4, lambda x, m, s, t: torch.addcmul(_small(t) - _small(m) * _small(s), x, _small(s)),
+                        lambda x, m, s, t: f"(({x} - {m}) * {s} + {t})"),
 }
 BINARY = frozenset(n for n, s in OPS.items() if s.arity == 2)
 
@@ -169,7 +175,7 @@ def label(op: Op) -> str:
     if op.name == "clamp":
         return "relu6" if tuple(op.params) == (0.0, 6.0) else "clamp"
     return {"gelu_tanh": "gelu", "threshold_bwd": "drelu", "float32": "to_fp32", "aux": "save",
-            "bn_stats": "bn_sums"}.get(op.name, op.name)
+            "bn_stats": "bn_sums", "normalize": "bn"}.get(op.name, op.name)
 
 
 def pattern_ops(node: Node) -> list[str]:
@@ -181,11 +187,20 @@ def pattern_ops(node: Node) -> list[str]:
 
 
 def full_adds(node: Node) -> int:
-    """How many same-shape tensor adds the tree holds (FuseAddToOutput allows one per producer)."""
+    """How many same-shape tensor adds the tree holds (FuseAddToOutput allows one per producer); a full operand
+    that a folded batch norm normalizes still counts."""
     if not isinstance(node, Op):
         return 0
-    own = node.name == "add" and any(isinstance(a, Operand) and a.kind == "full" for a in node.args)
+    own = node.name == "add" and any(normalized_operand(a) or (isinstance(a, Operand) and a.kind == "full")
+                                     for a in node.args)
     return int(own) + sum(full_adds(a) for a in node.args)
+
+
+def normalized_operand(node: Node) -> Operand | None:
+    """The full operand that `node`, a normalize step, normalizes, or None."""
+    if isinstance(node, Op) and node.name == "normalize" and isinstance(node.args[0], Operand):
+        return node.args[0]
+    return None
 
 
 def aux_value(node: Node) -> Node | None:

@@ -28,6 +28,7 @@ def test_training_step_runs_batch_norm_and_dgrad_kernels_under_the_interpreter()
 
     torch.manual_seed(2)
     block = Block(c=5).train().to(memory_format=torch.channels_last)
+    block.bs.bias.data.normal_()  # the folded shortcut batch norm's shift shows in the output
     twin = copy.deepcopy(block)
     x = torch.randn(2, 5, 7, 6).to(memory_format=torch.channels_last).requires_grad_()
     x2 = x.detach().clone().requires_grad_()
@@ -50,12 +51,17 @@ def test_training_step_runs_batch_norm_and_dgrad_kernels_under_the_interpreter()
     def bn_calls(anchor):
         return sum(n for (op, _, path), n in PATHS.items() if op == anchor and path == "triton")
 
-    before = bn_calls("batch_norm"), bn_calls("batch_norm_backward")
+    before = bn_calls("batch_norm"), bn_calls("batch_norm_backward"), bn_calls("batch_norm_stats")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         compiled(x).sum().backward()
     calls = {e.key: e.count for e in prof.key_averages()}
-    # the fused batch norms replaced ATen's (only the shortcut's, which absorbed nothing, still runs)
-    assert calls.get("aten::_native_batch_norm_legit_functional") == 1 and bn_calls("batch_norm") - before[0] == 2
+    # the fused batch norms replaced ATen's; the shortcut's is folded into b2's: only its statistics run, and
+    # b2's epilogue normalizes the shortcut conv's output
+    assert "aten::_native_batch_norm_legit_functional" not in calls and bn_calls("batch_norm") - before[0] == 2
+    assert bn_calls("batch_norm_stats") - before[2] == 1
+    (main,) = [f for f in compiled.resfuse_report.fusions if f.graph == "forward" and "add" in f.ops]
+    assert "normalize(full0,c1,c2,c3)" in main.signature
+    assert len(main.sources) == 4 and main.sources[-1].startswith("_native_batch_norm")  # bn, add, relu, folded bn
     # all three batch-norm backwards ran our kernel, none ATen's
     assert "aten::native_batch_norm_backward" not in calls and bn_calls("batch_norm_backward") - before[1] == 3
     report = compiled.resfuse_report

@@ -10,7 +10,8 @@ Entry points, called by ops/fused.py:
                                                      (aux: the second output of an epilogue with an aux node)
   epilogue(acc, operands, signature, out, channel_dim, aux=None, stats=None) -> out
                                                      the epilogue alone, on an ATen result
-  batch_norm_train(...), batch_norm_backward(...)    training batch norm (batch_norm.py, batch_norm_bwd.py)
+  batch_norm_train(...), batch_norm_stats(...),     training batch norm (batch_norm.py, batch_norm_bwd.py)
+  batch_norm_backward(...)
   max_pool2d(...), max_pool2d_backward(...)          max pooling and its gradient (max_pool.py)
   max_pool2d_epilogue(...)                          max pooling of a monotone epilogue's value (max_pool.py)
   set_options(interpret=..., cache_dir=..., split_k=..., pdl=...)   process-wide, set by resfuse.compile
@@ -97,6 +98,13 @@ def batch_norm_train(x, weight, bias, running_mean, running_var, operands, signa
     """Training batch norm + epilogue -> (y, save_mean, save_invstd, new_running_mean, new_running_var)."""
     from .batch_norm import batch_norm_train as run
     return run(x, weight, bias, running_mean, running_var, operands, signature, momentum, eps, out, config)
+
+
+def batch_norm_stats(x, weight, bias, running_mean, running_var, momentum, eps, config=None):
+    """Training batch norm's statistics alone -> (save_mean, save_invstd, new_running_mean, new_running_var,
+    scale, shift), the last two fp32 [C]: y would be (x - save_mean) * scale + shift."""
+    from .batch_norm import batch_norm_stats as run
+    return run(x, weight, bias, running_mean, running_var, momentum, eps, config)
 
 
 def batch_norm_backward(grad_out, x, weight, save_mean, save_invstd, output_mask, grad_input=None, config=None,

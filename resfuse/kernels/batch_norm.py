@@ -1,9 +1,10 @@
 """Batch-norm family: training-mode batch norm forward with a fused epilogue (the bn -> add -> relu tail of every
 ResNet bottleneck, and OneFlow's "normalization" producer with add-to-output).
 
-Entry point: `batch_norm_train(x, weight, bias, running_mean, running_var, operands, signature, momentum, eps,
-out=None, config=None) -> (y, save_mean, save_invstd, new_running_mean, new_running_var)`, reached through
-resfuse.kernels. It computes what aten._native_batch_norm_legit_functional(x, weight, bias, running_mean,
+Entry points: `batch_norm_train(x, weight, bias, running_mean, running_var, operands, signature, momentum, eps,
+out=None, config=None) -> (y, save_mean, save_invstd, new_running_mean, new_running_var)`, and
+`batch_norm_stats(...)`, passes 1 and 2 alone (a shortcut's batch norm that another's epilogue applies), reached
+through resfuse.kernels. It computes what aten._native_batch_norm_legit_functional(x, weight, bias, running_mean,
 running_var, True, momentum, eps) does, then the epilogue tree `signature` with `acc` = the affine output in
 fp32, and writes y in x's dtype. Also here: `FAMILY` (what codegen wraps), `BnConfig`, `default_config`.
 
@@ -230,11 +231,19 @@ class _BnPlan:
     has_w: bool
     has_b: bool
     has_running: bool
-    apply: Plan
+    apply: Plan | None  # None: the statistics alone (batch_norm_stats)
     pdl: dict  # plan.pdl_meta's options for the statistics kernels
 
     def run(self, x, weight, bias, running_mean, running_var, operands, signature, momentum, eps, out):
         y = out if out is not None else torch.empty_like(x, memory_format=self.y_format)
+        x, save_mean, save_invstd, ws, rm_out, rv_out = self.stats(x, weight, bias, running_mean, running_var,
+                                                                   momentum, eps)
+        self.apply.launch((x, save_mean, ws), y, operands, signature, y.shape, 1)
+        return y, save_mean, save_invstd, rm_out, rv_out
+
+    def stats(self, x, weight, bias, running_mean, running_var, momentum, eps):
+        """Passes 1 and 2: (x as the apply pass reads it, save_mean, save_invstd, ws (scale, shift first),
+        new running mean, new running var)."""
         if self.copy_x:
             x = x.contiguous()
         f32 = {"dtype": torch.float32, "device": x.device}
@@ -254,8 +263,7 @@ class _BnPlan:
             self.m, self.c, self.splits, self.tiles_per_split * cfg.block_p, float(momentum), float(eps),
             BC=self.finalize_c, BR=cfg.block_r, HAS_W=self.has_w, HAS_B=self.has_b, HAS_RUNNING=self.has_running,
             **self.pdl)
-        self.apply.launch((x, save_mean, ws), y, operands, signature, y.shape, 1)
-        return y, save_mean, save_invstd, rm_out, rv_out
+        return x, save_mean, save_invstd, ws, rm_out, rv_out
 
 
 _PLANS: dict = {}
@@ -269,6 +277,21 @@ def batch_norm_train(x: torch.Tensor, weight, bias, running_mean, running_var, o
     if plan is None:
         plan = _PLANS[key] = _plan(x, weight, bias, running_mean, running_var, operands, signature, out, config)
     return plan.run(x, weight, bias, running_mean, running_var, operands, signature, momentum, eps, out)
+
+
+def batch_norm_stats(x: torch.Tensor, weight, bias, running_mean, running_var, momentum: float, eps: float,
+                     config: BnConfig | None = None):
+    """Training batch norm's statistics alone -> (save_mean, save_invstd, new_running_mean, new_running_var,
+    scale, shift): what aten._native_batch_norm_legit_functional returns but y, and the fp32 per-channel scale
+    (invstd * weight) and shift (bias) that y = (x - save_mean) * scale + shift would take. For a batch norm
+    whose output another batch norm's epilogue reads (epilogue.py's normalize op)."""
+    key = plan_key("batch_norm_stats", config, x, weight, bias, running_mean, running_var)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _plan(x, weight, bias, running_mean, running_var, [], None, None, config)
+    _, save_mean, save_invstd, ws, rm_out, rv_out = plan.stats(x, weight, bias, running_mean, running_var, momentum,
+                                                               eps)
+    return save_mean, save_invstd, rm_out, rv_out, ws[:plan.c], ws[plan.c:2 * plan.c]
 
 
 def _plan(x, weight, bias, running_mean, running_var, operands, signature, out, config) -> _BnPlan:
@@ -300,9 +323,9 @@ def _plan(x, weight, bias, running_mean, running_var, operands, signature, out, 
     tiles = triton.cdiv(m, cfg.block_p) * triton.cdiv(c, cfg.block_c)
     head = [m, c, rps, *x3.stride(), y3.stride(0), y3.stride(1), y3.stride(2)]
     meta = {"BM": cfg.block_p, "BN": cfg.block_c, "SPLIT_K": 1, "num_warps": cfg.num_warps}
-    apply = Plan(codegen.load(FAMILY, signature), (tiles, 1, 1), head,
-                 operand_strides(signature, operands, y.shape, 1), meta, (tiles, 1, cfg.block_p, cfg.block_c),
-                 y.device)
+    apply = None if signature is None else Plan(
+        codegen.load(FAMILY, signature), (tiles, 1, 1), head, operand_strides(signature, operands, y.shape, 1), meta,
+        (tiles, 1, cfg.block_p, cfg.block_c), y.device)
     finalize_c = min(cfg.block_c, max(1, TILE // cfg.block_r))
     return _BnPlan(m, c, rps, x3.stride(), copy_x, y_format, cfg, tiles_per_split, splits, finalize_c,
                    weight is not None, bias is not None, running_mean is not None, apply, pdl_meta(x.device))

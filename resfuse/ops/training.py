@@ -1,10 +1,14 @@
-"""The fused ops of training graphs: resfuse::batch_norm (forward), resfuse::conv2d_dgrad, its _stats twin and
-resfuse::batch_norm_backward (backward).
+"""The fused ops of training graphs: resfuse::batch_norm and resfuse::batch_norm_stats (forward),
+resfuse::conv2d_dgrad, its _stats twin and resfuse::batch_norm_backward (backward).
 
 batch_norm is training-mode batch norm (batch statistics, running-stat update, the saved mean and invstd
 that backward reads) with an epilogue on its output, e.g. relu(add(acc, full0)): the bn -> add -> relu tail
 of a residual block, where the add is FuseAddToOutput's. It returns what aten._native_batch_norm_legit_functional
 returns, with the epilogue applied to the first output.
+
+batch_norm_stats is the same batch norm without its output: the statistics, the new running stats, and the fp32
+per-channel scale and shift that another batch norm's epilogue applies to x (normalize(full0, c1, c2, c3) over
+x, save_mean, scale, shift), where passes/shortcut_bn.py folds a residual block's shortcut batch norm in.
 
 conv2d_dgrad is the data gradient of a conv2d with an epilogue, e.g. threshold_bwd(add(acc, full0), full1):
 the skip-gradient add absorbed (FuseAddToOutput in backward), then relu's gradient. The weight gradient
@@ -80,6 +84,42 @@ def _(x, weight, bias, running_mean, running_var, operands, epilogue, momentum, 
     out, mean, invstd, rm, rv = aten._native_batch_norm_legit_functional(x, weight, bias, running_mean,
                                                                           running_var, True, momentum, eps)
     return torch.empty_like(out), mean, invstd, rm, rv
+
+
+def batch_norm_stats_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                          running_mean: torch.Tensor, running_var: torch.Tensor, momentum: float, eps: float,
+                          provider: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                  torch.Tensor, torch.Tensor]:
+    if _use_triton(x.device, provider):
+        from .. import kernels
+
+        _record("batch_norm_stats", "", "triton")
+        mean, invstd, rm, rv, scale, shift = kernels.batch_norm_stats(x, weight, bias, running_mean, running_var,
+                                                                      momentum, eps)
+        want = _aten_stat_dtypes(x.device.type, x.dtype, running_mean.dtype)
+        return (*[t if t.dtype == d else t.to(d) for t, d in zip((mean, invstd, rm, rv), want)], scale, shift)
+    _record("batch_norm_stats", "", "reference")
+    _, mean, invstd, rm, rv = aten._native_batch_norm_legit_functional(x, weight, bias, running_mean, running_var,
+                                                                        True, momentum, eps)
+    return (mean, invstd, rm, rv, *_scale_shift(invstd, weight, bias))
+
+
+batch_norm_stats = library.Op("batch_norm_stats", batch_norm_stats_impl)
+
+
+def _scale_shift(invstd, weight, bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (invstd * weight, bias), as kernels/batch_norm.py's statistics pass leaves them."""
+    scale = invstd.float() * weight.float() if weight is not None else invstd.float().clone()
+    shift = bias.float().clone() if bias is not None else torch.zeros_like(scale)
+    return scale, shift
+
+
+@batch_norm_stats.register_fake
+def _(x, weight, bias, running_mean, running_var, momentum, eps, provider):
+    _, mean, invstd, rm, rv = aten._native_batch_norm_legit_functional(x, weight, bias, running_mean, running_var,
+                                                                        True, momentum, eps)
+    scale = torch.empty(x.shape[1], dtype=torch.float32, device=x.device)
+    return mean, invstd, rm, rv, scale, torch.empty_like(scale)
 
 
 def dgrad_out(grad_out: torch.Tensor, weight: torch.Tensor, input_shape) -> Output:

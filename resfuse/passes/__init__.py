@@ -18,6 +18,7 @@ from .match_epilogue import match_epilogue
 from .permutes import sink_permutes
 from .pooling import max_pool
 from .report import Report
+from .shortcut_bn import shortcut_bn
 
 
 @dataclasses.dataclass
@@ -49,6 +50,7 @@ PASSES = [
     ("sink_permutes", sink_permutes),  # first: brings a permuted GEMM's consumers next to it for the fusions
     ("match_epilogue", _epilogue),
     ("add_to_output", add_to_output),  # after match_epilogue: it extends the fused ops that pass made
+    ("shortcut_bn", shortcut_bn),  # after add_to_output: folds the batch norm whose output that pass absorbed
     ("bn_backward", batch_norm_backward),  # after the fusions: its grad_out is their dgrad's output
     ("max_pool", max_pool),  # after the fusions, which never absorb a pool: its input is their output
     ("report", _collect),  # last: reads the final graph

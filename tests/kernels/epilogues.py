@@ -49,8 +49,12 @@ def trees(draw, kinds=("c", "nc", "full"), max_steps=4, aux=False):
             node = Op("aux", (node,))
         if i == steps:
             break
-        step = draw(st.sampled_from(["unary", "binary", "binary", "bn", "drelu"]))
-        if step == "drelu":  # relu's gradient, masked by a (forward) tensor of any kind
+        step = draw(st.sampled_from(["unary", "binary", "binary", "bn", "drelu", "normalized"]))
+        if step == "normalized":  # plus an operand normalized per channel: a folded shortcut batch norm
+            args = (operand(draw(st.sampled_from(kinds)), "any"), operand("c", "any"), operand("c", "any"),
+                    operand("c", "any"))
+            node = Op("add", (node, Op("normalize", args)))
+        elif step == "drelu":  # relu's gradient, masked by a (forward) tensor of any kind
             node = Op("threshold_bwd", (node, operand(draw(st.sampled_from(kinds)), "any")),
                       (draw(st.sampled_from([0.0, 0.5])),))
         elif step == "unary":

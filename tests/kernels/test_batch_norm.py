@@ -95,6 +95,27 @@ def test_matches_aten_then_epilogue(data, shape, dtype, layout, affine, running,
     _check(res, x, w, b, rm, rv, tree, operands, momentum)
 
 
+@settings(max_examples=25, deadline=None)
+@given(shape=SHAPES, dtype=st.sampled_from(DTYPES), layout=st.sampled_from(["contiguous", "channels_last", "strided"]),
+       affine=st.booleans(), running=st.booleans(), config=st.sampled_from(CONFIGS))
+def test_statistics_alone_then_a_folded_shortcut(shape, dtype, layout, affine, running, config):
+    """batch_norm_stats: the statistics and running stats of batch_norm_train, and the scale and shift with which
+    another batch norm's epilogue normalizes x: relu(bn(main) + normalize(x)) equals the two batch norms in
+    float64 (passes/shortcut_bn.py's fold)."""
+    x, w, b, rm, rv = _inputs(shape, dtype, layout, affine, running)
+    mean, invstd, rm_new, rv_new, scale, shift = kernels.batch_norm_stats(x, w, b, rm, rv, 0.1, 1e-5, config)
+    y64, mean64, invstd64, rm64, rv64 = _aten64(x, w, b, rm, rv, 0.1, 1e-5)
+    assert scale.dtype == shift.dtype == torch.float32 and scale.shape == shift.shape == (shape[1],)
+    _check((torch.empty_like(x).copy_(y64), mean, invstd, rm_new, rv_new), x, w, b, rm, rv, epi.ACC, [])  # y: aten's
+    assert_close(scale, invstd64 * (_dbl(w) if w is not None else 1.0), torch.float32)
+    assert_close(shift, _dbl(b) if b is not None else torch.zeros(shape[1], dtype=torch.float64), torch.float32)
+    main, mw, mb, mrm, mrv = _inputs(shape, dtype, layout, affine, running)
+    tree = epi.parse("relu(add(acc,normalize(full0,c1,c2,c3)))")
+    y = _run(main, mw, mb, mrm, mrv, [x, mean, scale, shift], str(tree), use_out=True, config=config)[0]
+    want = torch.relu(_aten64(main, mw, mb, mrm, mrv, 0.1, 1e-5)[0] + y64)
+    assert_close(epi.rows3(y, y.shape, 1), epi.rows3(want, want.shape, 1), dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", [None, BnConfig(4, 2, 3, 2)])
 def test_resnet_bottleneck_tail(dtype, config):

@@ -77,6 +77,10 @@ def test_random_residual_nets_train_like_eager_through_the_triton_kernels(net, s
                    and not (f.anchor == "conv2d" and is_depthwise(x_shape, w_shape)))
         ran = set(f.ran.split(","))
         assert ran <= {"triton", "epilogue"} and ("epilogue" if grouped else "triton") in ran, f
+    # each projection shortcut's batch norm is folded into bn2's epilogue, which absorbed the shortcut add
+    projected = sum(b.short is not None and isinstance(b.bn2, nn.BatchNorm2d) for b in net[1])
+    folds = [f for f in report.fusions if f.graph == "forward" and "normalize(" in f.signature]
+    assert len(folds) == projected, (folds, report.rewrites, report.rejected)
 
 
 def check_one_step(net, seed, dynamic=False, **config):
