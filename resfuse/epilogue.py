@@ -140,8 +140,8 @@ OPS: dict[str, OpSpec] = {
                  lambda x, m, v, w, b, eps: f"(({x} - {m}) * tl.rsqrt({v} + {eps!r}) * {w} + {b})"),
     # training batch norm's affine step over per-channel mean, scale (invstd * weight) and shift (bias), as
     # kernels/batch_norm.py applies it: a residual block's shortcut batch norm, folded into the main path's
-    # batch norm, normalizes its input here (passes/shortcut_bn.py); the reference computes it as ATen's CPU
-    # kernel does, x * scale + (shift - mean * scale), so the reference path stays bit-identical to eager there
+    # batch norm, normalizes its input here (passes/shortcut_bn.py); the reference, as bn's, folds the per-channel
+    # terms first and makes one pass over x
     "normalize": OpSpec(4, lambda x, m, s, t: torch.addcmul(_small(t) - _small(m) * _small(s), x, _small(s)),
                         lambda x, m, s, t: f"(({x} - {m}) * {s} + {t})"),
 }

@@ -306,6 +306,20 @@ def _plan(x, weight, bias, running_mean, running_var, operands, signature, out, 
             raise ValueError(f"{name} must be a [{c}] tensor on {x.device}, got {tuple(t.shape)} on {t.device}")
     if (running_mean is None) != (running_var is None):
         raise ValueError("running_mean and running_var must be given together")
+    copy_x = not _is_view3(x)
+    x3 = epi.rows3(x.contiguous() if copy_x else x, x.shape, 1)
+    rps = x3.shape[1]
+    cfg, m, tiles_per_split, splits = row_splits(x3, x.device, config)
+    y_format, apply = torch.preserve_format, None
+    if signature is not None:  # else the statistics alone (batch_norm_stats): no y, no apply pass
+        y_format, apply = _apply_plan(x, x3, c, m, rps, cfg, operands, signature, out)
+    finalize_c = min(cfg.block_c, max(1, TILE // cfg.block_r))
+    return _BnPlan(m, c, rps, x3.stride(), copy_x, y_format, cfg, tiles_per_split, splits, finalize_c,
+                   weight is not None, bias is not None, running_mean is not None, apply, pdl_meta(x.device))
+
+
+def _apply_plan(x, x3, c, m, rps, cfg, operands, signature, out) -> tuple[torch.memory_format, Plan]:
+    """y's memory format and the generated apply kernel's plan (pass 3)."""
     y_format = torch.preserve_format
     if out is None and not _is_view3(torch.empty_like(x)):
         y_format = torch.contiguous_format  # x's strides are no [S, P, C] view (say H and W swapped)
@@ -316,19 +330,12 @@ def _plan(x, weight, bias, running_mean, running_var, operands, signature, out, 
     if not _is_view3(y):
         raise NotImplementedError(f"output strides {y.stride()} are not an [S, P, C] view")
     y3 = epi.rows3(y, y.shape, 1)
-    copy_x = not _is_view3(x)
-    x3 = epi.rows3(x.contiguous() if copy_x else x, x.shape, 1)
-    rps = x3.shape[1]
-    cfg, m, tiles_per_split, splits = row_splits(x3, x.device, config)
     tiles = triton.cdiv(m, cfg.block_p) * triton.cdiv(c, cfg.block_c)
     head = [m, c, rps, *x3.stride(), y3.stride(0), y3.stride(1), y3.stride(2)]
     meta = {"BM": cfg.block_p, "BN": cfg.block_c, "SPLIT_K": 1, "num_warps": cfg.num_warps}
-    apply = None if signature is None else Plan(
-        codegen.load(FAMILY, signature), (tiles, 1, 1), head, operand_strides(signature, operands, y.shape, 1), meta,
-        (tiles, 1, cfg.block_p, cfg.block_c), y.device)
-    finalize_c = min(cfg.block_c, max(1, TILE // cfg.block_r))
-    return _BnPlan(m, c, rps, x3.stride(), copy_x, y_format, cfg, tiles_per_split, splits, finalize_c,
-                   weight is not None, bias is not None, running_mean is not None, apply, pdl_meta(x.device))
+    return y_format, Plan(codegen.load(FAMILY, signature), (tiles, 1, 1), head,
+                          operand_strides(signature, operands, y.shape, 1), meta,
+                          (tiles, 1, cfg.block_p, cfg.block_c), y.device)
 
 
 def row_splits(x3: torch.Tensor, device: torch.device, config: BnConfig | None) -> tuple:
