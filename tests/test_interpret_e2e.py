@@ -1,4 +1,6 @@
 """End to end through the Triton kernels: a compiled block whose fused ops run under Triton's interpreter."""
+import copy
+
 import pytest
 import torch
 
@@ -297,3 +299,27 @@ def test_squeeze_excitation_convs_of_one_pixel_run_triton_kernels_under_the_inte
     report = compiled.resfuse_report
     assert sorted(f.pattern for f in report.fusions) == ["conv2d_bias_sigmoid", "conv2d_bias_silu"]
     assert {f.ran for f in report.fusions} == {"triton"}
+
+
+def test_shortcut_batch_norm_read_elsewhere_is_not_folded():
+    """The shortcut batch norm's output also leaves the block: it must still be computed, so the main path's
+    batch norm reads it as before (the fold's sole-consumer rule) and the refusal says why."""
+    torch.manual_seed(3)
+    block = Block(c=4).train()
+    block.bs.bias.data.normal_()
+
+    def forward(x):
+        s = block.bs(block.cs(x))
+        y = block.b2(block.c2(torch.relu(block.b1(block.c1(x)))))
+        return torch.relu(y + s), s * 2
+
+    twin = copy.deepcopy(block)
+    x = torch.randn(2, 4, 5, 5)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(forward, interpret=True)
+    out, ref = compiled(x), (torch.relu(twin.b2(twin.c2(torch.relu(twin.b1(twin.c1(x))))) + twin.bs(twin.cs(x))),
+                            twin.bs(twin.cs(x)) * 2)
+    assert rel(out[0], ref[0]) < 1e-5 and rel(out[1], ref[1]) < 1e-5
+    report = compiled.resfuse_report
+    assert not any("normalize(" in f.signature for f in report.fusions)
+    assert any("shortcut batch norm not folded" in r.reason and "2 consumers" in r.reason for r in report.rejected)
