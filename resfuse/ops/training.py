@@ -49,13 +49,18 @@ def batch_norm_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optio
         _record("batch_norm", epilogue, "triton")
         y, mean, invstd, rm, rv = kernels.batch_norm_train(x, weight, bias, running_mean, running_var,
                                                            list(operands), epilogue, momentum, eps)
-        want = _aten_stat_dtypes(x.device.type, x.dtype, running_mean.dtype)
-        return (y, *[t if t.dtype == d else t.to(d) for t, d in zip((mean, invstd, rm, rv), want)])
+        return (y, *_as_aten_dtypes(x, running_mean, (mean, invstd, rm, rv)))
     _record("batch_norm", epilogue, "reference")
     return batch_norm_reference(x, weight, bias, running_mean, running_var, operands, epilogue, momentum, eps)
 
 
 batch_norm = library.Op("batch_norm", batch_norm_impl)
+
+
+def _as_aten_dtypes(x, running_mean, stats) -> list:
+    """The kernel's fp32 (save_mean, save_invstd, new running mean, new running var) in the dtypes ATen gives."""
+    want = _aten_stat_dtypes(x.device.type, x.dtype, running_mean.dtype)
+    return [t if t.dtype == d else t.to(d) for t, d in zip(stats, want)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,8 +101,7 @@ def batch_norm_stats_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias:
         _record("batch_norm_stats", "", "triton")
         mean, invstd, rm, rv, scale, shift = kernels.batch_norm_stats(x, weight, bias, running_mean, running_var,
                                                                       momentum, eps)
-        want = _aten_stat_dtypes(x.device.type, x.dtype, running_mean.dtype)
-        return (*[t if t.dtype == d else t.to(d) for t, d in zip((mean, invstd, rm, rv), want)], scale, shift)
+        return (*_as_aten_dtypes(x, running_mean, (mean, invstd, rm, rv)), scale, shift)
     _record("batch_norm_stats", "", "reference")
     _, mean, invstd, rm, rv = aten._native_batch_norm_legit_functional(x, weight, bias, running_mean, running_var,
                                                                         True, momentum, eps)
