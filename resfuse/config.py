@@ -30,6 +30,9 @@ class Config:
     ("Compute batch-norm backward's per-channel sums in the epilogue of the conv data gradient that produces its "
      "grad_out (with batch_norm_backward), instead of in a pass of their own over grad_out and x. Off: on an H100 "
      "the epilogue's extra read of x cost what the pass saved, and a ResNet-50 step got 1.3% slower (BENCHMARKS.md).")
+    bn_backward_dual: bool = True
+    ("Where two batch-norm backwards on resfuse's kernel share grad_out (a downsampling block's main and shortcut "
+     "batch norms), run them as one (with batch_norm_backward), whose passes read grad_out once for both.")
     max_pool: bool = True
     ("Run max-pool and its backward on resfuse's Triton kernels instead of ATen's, where the fused ops run on "
      "Triton; a relu gradient right after the pool's is applied on the way out, and an inference pool computes "

@@ -54,6 +54,7 @@ def test_training_step_runs_batch_norm_and_dgrad_kernels_under_the_interpreter()
         return sum(n for (op, _, path), n in PATHS.items() if op == anchor and path == "triton")
 
     before = bn_calls("batch_norm"), bn_calls("batch_norm_backward"), bn_calls("batch_norm_stats")
+    dual_before = PATHS[("batch_norm_backward", "dual", "triton")]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         compiled(x).sum().backward()
     calls = {e.key: e.count for e in prof.key_averages()}
@@ -64,14 +65,18 @@ def test_training_step_runs_batch_norm_and_dgrad_kernels_under_the_interpreter()
     (main,) = [f for f in compiled.resfuse_report.fusions if f.graph == "forward" and "add" in f.ops]
     assert "normalize(full0,c1,c2,c3)" in main.signature
     assert len(main.sources) == 4 and main.sources[-1].startswith("_native_batch_norm")  # bn, add, relu, folded bn
-    # all three batch-norm backwards ran our kernel, none ATen's
-    assert "aten::native_batch_norm_backward" not in calls and bn_calls("batch_norm_backward") - before[1] == 3
+    # all three batch-norm backwards ran our kernel, none ATen's; b2's and the shortcut's share grad_out and ran as
+    # one call that reads it once
+    assert "aten::native_batch_norm_backward" not in calls and bn_calls("batch_norm_backward") - before[1] == 2
+    assert PATHS[("batch_norm_backward", "dual", "triton")] - dual_before == 1
     report = compiled.resfuse_report
     ran = {(f.anchor, f.ran) for f in report.fusions}
     assert ("batch_norm", "triton") in ran and ("conv2d_dgrad", "triton") in ran
     assert any(f.anchor == "batch_norm" and f.ops == ["add", "relu"] for f in report.fusions)
     assert any(f.anchor == "conv2d_dgrad" and f.ops[0] == "add" for f in report.fusions)
     assert "backward graph: 3 batch-norm backward(s) on resfuse's kernel" in report.rewrites
+    assert "backward graph: 1 pair(s) of batch-norm backwards with one grad_out run as one, reading it once" in (
+        report.rewrites)
 
 
 def test_interpreter_switch_after_triton_was_imported():

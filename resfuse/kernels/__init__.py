@@ -108,11 +108,14 @@ def batch_norm_stats(x, weight, bias, running_mean, running_var, momentum, eps, 
 
 
 def batch_norm_backward(grad_out, x, weight, save_mean, save_invstd, output_mask, grad_input=None, config=None,
-                        sums=None):
+                        sums=None, second=None):
     """Training batch-norm backward -> (grad_input, grad_weight, grad_bias), None where output_mask is False.
-    `sums`: fp32 [2, C] sum(grad_out) and sum(grad_out * (x - save_mean)) when its producer computed them."""
-    from .batch_norm_bwd import batch_norm_backward as run
-    return run(grad_out, x, weight, save_mean, save_invstd, output_mask, grad_input, config, sums)
+    `sums`: fp32 [2, C] sum(grad_out) and sum(grad_out * (x - save_mean)) when its producer computed them.
+    `second`: (x, weight, save_mean, save_invstd, grad_input or None) of a second batch norm with the same grad_out;
+    then six gradients, the second's last, from passes that read grad_out once."""
+    from .batch_norm_bwd import Norm, batch_norm_backward as run
+    return run(grad_out, x, weight, save_mean, save_invstd, output_mask, grad_input, config, sums,
+               Norm(*second) if second is not None else None)
 
 
 def max_pool2d(x, kernel, stride, padding, dilation, out, indices=None):

@@ -14,13 +14,13 @@ from .fused import (PATHS, conv2d, conv2d_aux, conv2d_aux_impl, conv2d_impl, con
                     gemm_aux_impl, gemm_impl)
 from .pooling import (max_pool2d, max_pool2d_backward, max_pool2d_backward_impl, max_pool2d_epilogue,
                       max_pool2d_epilogue_impl, max_pool2d_impl)
-from .training import (batch_norm, batch_norm_backward, batch_norm_backward_impl, batch_norm_impl, batch_norm_stats,
-                       batch_norm_stats_impl, conv2d_dgrad, conv2d_dgrad_impl, conv2d_dgrad_stats,
-                       conv2d_dgrad_stats_impl)
+from .training import (batch_norm, batch_norm_backward, batch_norm_backward_dual, batch_norm_backward_dual_impl,
+                       batch_norm_backward_impl, batch_norm_impl, batch_norm_stats, batch_norm_stats_impl,
+                       conv2d_dgrad, conv2d_dgrad_impl, conv2d_dgrad_stats, conv2d_dgrad_stats_impl)
 
 __all__ = ["PATHS", "conv2d", "conv2d_aux", "gemm", "gemm_aux", "conv_out_format", "batch_norm", "batch_norm_stats",
-           "conv2d_dgrad", "conv2d_dgrad_stats", "batch_norm_backward", "max_pool2d", "max_pool2d_epilogue",
-           "max_pool2d_backward", "lower_to_impls"]
+           "conv2d_dgrad", "conv2d_dgrad_stats", "batch_norm_backward", "batch_norm_backward_dual", "max_pool2d",
+           "max_pool2d_epilogue", "max_pool2d_backward", "lower_to_impls"]
 
 import torch  # noqa: E402  (after the ops are defined, so torch.ops.resfuse has them)
 
@@ -31,6 +31,7 @@ IMPLS = {torch.ops.resfuse.conv2d.default: conv2d_impl, torch.ops.resfuse.gemm.d
          torch.ops.resfuse.conv2d_dgrad.default: conv2d_dgrad_impl,
          torch.ops.resfuse.conv2d_dgrad_stats.default: conv2d_dgrad_stats_impl,
          torch.ops.resfuse.batch_norm_backward.default: batch_norm_backward_impl,
+         torch.ops.resfuse.batch_norm_backward_dual.default: batch_norm_backward_dual_impl,
          torch.ops.resfuse.max_pool2d.default: max_pool2d_impl,
          torch.ops.resfuse.max_pool2d_epilogue.default: max_pool2d_epilogue_impl,
          torch.ops.resfuse.max_pool2d_backward.default: max_pool2d_backward_impl}

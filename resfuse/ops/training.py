@@ -1,5 +1,5 @@
 """The fused ops of training graphs: resfuse::batch_norm and resfuse::batch_norm_stats (forward),
-resfuse::conv2d_dgrad, its _stats twin and resfuse::batch_norm_backward (backward).
+resfuse::conv2d_dgrad, its _stats twin, resfuse::batch_norm_backward and its _dual twin (backward).
 
 batch_norm is training-mode batch norm (batch statistics, running-stat update, the saved mean and invstd
 that backward reads) with an epilogue on its output, e.g. relu(add(acc, full0)): the bn -> add -> relu tail
@@ -20,7 +20,8 @@ order) needs for its backward; passes/bn_backward.py hands them to batch_norm_ba
 batch_norm_backward is aten.native_batch_norm_backward in training mode on our kernel (three deterministic
 passes: kernels/batch_norm_bwd.py), put in backward graphs by passes/bn_backward.py. It always returns all
 three gradients (the parameter gradients cost C values each); the graph reads the ones it asked for. Given
-`sums`, its Triton path skips its own pass over grad_out and x for them.
+`sums`, its Triton path skips its own pass over grad_out and x for them. batch_norm_backward_dual is two of
+them with one grad_out (a downsampling block's main and shortcut batch norms), in passes that read it once.
 
 Paths are recorded in PATHS like the inference ops: "reference" (ATen, then the epilogue in torch) or
 "triton" (our kernels, on CUDA or under the interpreter).
@@ -228,6 +229,29 @@ def batch_norm_backward_impl(grad_out: torch.Tensor, x: torch.Tensor, weight: Op
 batch_norm_backward = library.Op("batch_norm_backward", batch_norm_backward_impl)
 
 
+def batch_norm_backward_dual_impl(grad_out: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor],
+                                  save_mean: torch.Tensor, save_invstd: torch.Tensor, x2: torch.Tensor,
+                                  weight2: Optional[torch.Tensor], save_mean2: torch.Tensor, save_invstd2: torch.Tensor,
+                                  eps: float, eps2: float, provider: str) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                  torch.Tensor, torch.Tensor,
+                                                                                  torch.Tensor, torch.Tensor]:
+    if _use_triton(x.device, provider):
+        from .. import kernels
+
+        _record("batch_norm_backward", "dual", "triton")
+        dx, dx2 = (torch.empty_strided(t.shape, _grad_input_strides(tuple(grad_out.shape), grad_out.stride(),
+                                                                      t.stride(), t.dtype, t.device),
+                                       dtype=t.dtype, device=t.device) for t in (x, x2))
+        return kernels.batch_norm_backward(grad_out, x, weight, save_mean, save_invstd, (True, True, True), dx,
+                                           second=(x2, weight2, save_mean2, save_invstd2, dx2))
+    _record("batch_norm_backward", "dual", "reference")
+    return (*_aten_bn_backward(grad_out, x, weight, save_mean, save_invstd, eps),
+            *_aten_bn_backward(grad_out, x2, weight2, save_mean2, save_invstd2, eps2))
+
+
+batch_norm_backward_dual = library.Op("batch_norm_backward_dual", batch_norm_backward_dual_impl)
+
+
 def _aten_bn_backward(grad_out, x, weight, save_mean, save_invstd, eps):
     return aten.native_batch_norm_backward(grad_out, x, weight, None, None, save_mean, save_invstd, True, eps,
                                            [True, True, True])
@@ -250,3 +274,9 @@ def _grad_input_strides(shape, g_strides, x_strides, x_dtype, device) -> tuple:
 def _(grad_out, x, weight, save_mean, save_invstd, eps, provider, sums=None):
     dx, dw, db = _aten_bn_backward(grad_out, x, weight, save_mean, save_invstd, eps)
     return torch.empty_like(dx), torch.empty_like(dw), torch.empty_like(db)
+
+
+@batch_norm_backward_dual.register_fake
+def _(grad_out, x, weight, save_mean, save_invstd, x2, weight2, save_mean2, save_invstd2, eps, eps2, provider):
+    return (*(torch.empty_like(t) for t in _aten_bn_backward(grad_out, x, weight, save_mean, save_invstd, eps)),
+            *(torch.empty_like(t) for t in _aten_bn_backward(grad_out, x2, weight2, save_mean2, save_invstd2, eps2)))

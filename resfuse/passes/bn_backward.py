@@ -11,8 +11,13 @@ the two per-channel sums the first pass would (sum(g), sum(g * (x - mean))) in i
 just computed: its epilogue gains a bn_stats root with x and mean as operands, it becomes
 resfuse::conv2d_dgrad_stats, and the batch norm's backward takes the sums (`sums`) and skips that pass. The pass
 read g and x; the epilogue reads x only. g's other readers (a skip connection's gradient) are unchanged; x and
-mean are forward values, alive since the forward, so no lifetime grows. The report lists both rewrites;
-refusals say why.
+mean are forward values, alive since the forward, so no lifetime grows.
+
+Then (switch `bn_backward_dual`): two such batch-norm backwards with the same grad_out, as a downsampling block's
+main and shortcut batch norms have, become one resfuse::batch_norm_backward_dual at the first one's place, whose
+passes read grad_out once for both. The second one's gradient is then made earlier, but its x, which it replaces
+in memory byte for byte, dies there too (the rewrite asks that x be read by nothing later), so the peak does not
+grow. The report lists the rewrites; refusals say why.
 """
 from __future__ import annotations
 
@@ -29,6 +34,8 @@ aten = torch.ops.aten
 NATIVE = aten.native_batch_norm_backward.default
 DGRAD = torch.ops.resfuse.conv2d_dgrad.default
 DGRAD_STATS = torch.ops.resfuse.conv2d_dgrad_stats.default
+BN_BWD = torch.ops.resfuse.batch_norm_backward.default
+DUAL = torch.ops.resfuse.batch_norm_backward_dual.default
 
 
 def batch_norm_backward(gm: fx.GraphModule, ctx) -> fx.GraphModule:
@@ -54,15 +61,60 @@ def batch_norm_backward(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             if why:
                 ctx.reject(node, f"batch-norm backward's sums stay a pass of their own: {why}")
             summed += why is None
-    if summed:
-        gm.graph.lint()  # the sums rewrite moved nodes: check the graph's order before it runs
+    paired = _pair_by_grad_out(gm.graph, ctx) if ctx.config.bn_backward_dual else 0
+    if summed or paired:
+        gm.graph.lint()  # the sums and pairing rewrites moved nodes: check the graph's order before it runs
     if done:
         gm.recompile()
         ctx.report.rewrites.append(f"{ctx.graph} graph: {done} batch-norm backward(s) on resfuse's kernel")
     if summed:
         ctx.report.rewrites.append(f"{ctx.graph} graph: {summed} batch-norm backward(s) take sum(g) and "
                                    "sum(g * (x - mean)) from the epilogue of the conv data gradient that computes g")
+    if paired:
+        ctx.report.rewrites.append(f"{ctx.graph} graph: {paired} pair(s) of batch-norm backwards with one grad_out "
+                                   "run as one, reading it once")
     return gm
+
+
+def _pair_by_grad_out(graph: fx.Graph, ctx) -> int:
+    """Merge pairs of resfuse::batch_norm_backward (no sums) that read the same grad_out; returns how many."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    by_grad: dict[fx.Node, list[fx.Node]] = {}
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target == BN_BWD and len(n.args) == 7 and n.args[-1] == "triton":
+            by_grad.setdefault(n.args[0], []).append(n)
+    paired = 0
+    for first, second, *_ in (bns for bns in by_grad.values() if len(bns) >= 2):
+        why = _pair_refusal(first, second, order)
+        if why:
+            ctx.reject(second, f"batch-norm backward not paired with {first.name}, which shares its grad_out: {why}")
+            continue
+        g, x, w, mean, invstd, eps, provider = first.args
+        args = (g, x, w, mean, invstd, second.args[1], second.args[2], second.args[3], second.args[4], eps,
+                second.args[5], provider)
+        with graph.inserting_before(first):
+            dual = graph.call_function(DUAL, args)
+        dual.meta["val"] = fake_call(DUAL, args)
+        for offset, old in ((0, first), (3, second)):
+            for item in list(old.users):  # getitems: the op's outputs are only ever read through them
+                item.update_arg(0, dual)
+                item.update_arg(1, item.args[1] + offset)
+            graph.erase_node(old)
+        paired += 1
+    return paired
+
+
+def _pair_refusal(first: fx.Node, second: fx.Node, order: dict) -> str | None:
+    if any(u.op != "call_function" or u.target != operator.getitem for n in (first, second) for u in n.users):
+        return "an output is read other than through getitem"
+    x, x2 = legality.val(first.args[1]), legality.val(second.args[1])
+    if x is None or x2 is None or (x.shape, x.stride(), x.dtype) != (x2.shape, x2.stride(), x2.dtype):
+        return "the two inputs differ in shape, strides or dtype"
+    if any(isinstance(a, fx.Node) and order[a] > order[first] for a in second.args[1:5]):
+        return "its inputs are computed after the first one runs"
+    if any(order[u] > order[second] for u in second.args[1].users):
+        return f"its input {second.args[1].name} is read later, so its gradient made earlier would add to the peak"
+    return None
 
 
 def _sums_in_producer(bn: fx.Node) -> str | None:

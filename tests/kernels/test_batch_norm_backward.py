@@ -132,6 +132,36 @@ def test_bit_identical_across_runs(config):
         assert torch.equal(a, b)
 
 
+@settings(max_examples=40, deadline=None)
+@given(shape=SHAPES, dtype=st.sampled_from(DTYPES), layout_x=st.sampled_from(LAYOUTS),
+       layout_g=st.sampled_from(LAYOUTS), layout_x2=st.sampled_from(LAYOUTS), weights=st.tuples(st.booleans(),
+       st.booleans()), mask=st.tuples(st.booleans(), st.booleans(), st.booleans()), config=st.sampled_from(CONFIGS))
+def test_two_batch_norms_of_one_grad_out(shape, dtype, layout_x, layout_g, layout_x2, weights, mask, config):
+    """A downsampling block's main and shortcut batch norms share grad_out: one set of passes gives both their
+    gradients, each equal to its own backward in float64. x2 at other strides than x runs the two one by one."""
+    g, x, w, m, istd = _inputs(shape, dtype, layout_x, layout_g, weights[0])
+    _, x2, w2, m2, istd2 = _inputs(shape, dtype, layout_x2, layout_g, weights[1], torch.float16, mean=-3.0)
+    dx, dx2 = (torch.full_like(t, float("nan")) if mask[0] else None for t in (x, x2))
+    before = [t.clone() for t in (g, x, x2)]
+    res = kernels.batch_norm_backward(g, x, w, m, istd, mask, dx, config, second=(x2, w2, m2, istd2, dx2))
+    assert all(torch.equal(a, b) for a, b in zip(before, (g, x, x2))), "an input was written"
+    assert len(res) == 6 and (not mask[0] or (res[0] is dx and res[3] is dx2))
+    _check(res[:3], g, x, w, m, istd, mask)
+    _check(res[3:], g, x2, w2, m2, istd2, mask)
+
+
+def test_two_batch_norms_give_what_each_gives_alone():
+    """The shared pass adds each batch norm's sums in the order its own backward does: bit-identical results."""
+    torch.manual_seed(5)
+    g, x, w, m, istd = _inputs((3, 67, 5, 7), torch.float16, "channels_last", "channels_last")
+    _, x2, w2, m2, istd2 = _inputs((3, 67, 5, 7), torch.float16, "channels_last", "channels_last", mean=2.0)
+    mask = (True, True, True)
+    both = kernels.batch_norm_backward(g, x, w, m, istd, mask, second=(x2, w2, m2, istd2, None))
+    alone = (*_run(g, x, w, m, istd, mask), *_run(g, x2, w2, m2, istd2, mask))
+    for a, b in zip(both, alone):
+        assert torch.equal(a, b)
+
+
 def test_bad_arguments_are_refused():
     g, x, w, m, istd = _inputs((2, 3, 4, 4), torch.float32, "contiguous", "contiguous")
     with pytest.raises(TypeError):

@@ -66,9 +66,9 @@ def test_random_residual_nets_train_like_eager(net, epilogue, add_to_output, dyn
 
 
 @settings(max_examples=max(1, EXAMPLES // 4), deadline=None)
-@given(networks(), st.integers(0, 2**16), st.booleans())
-def test_random_residual_nets_train_like_eager_through_the_triton_kernels(net, seed, bn_sums):
-    report = check_one_step(net, seed, interpret=True, bn_backward_sums=bn_sums)
+@given(networks(), st.integers(0, 2**16), st.booleans(), st.booleans())
+def test_random_residual_nets_train_like_eager_through_the_triton_kernels(net, seed, bn_sums, dual):
+    report = check_one_step(net, seed, interpret=True, bn_backward_sums=bn_sums, bn_backward_dual=dual)
     for f in report.fusions:  # a grouped conv (but a depthwise forward) runs cuDNN (ATen on CPU) + our epilogue
         # kernel; the rest ours
         x_shape, w_shape = f.shapes["inputs"]  # (paths are counted per signature, which convs may share)
@@ -81,6 +81,11 @@ def test_random_residual_nets_train_like_eager_through_the_triton_kernels(net, s
     projected = sum(b.short is not None and isinstance(b.bn2, nn.BatchNorm2d) for b in net[1])
     folds = [f for f in report.fusions if f.graph == "forward" and "normalize(" in f.signature]
     assert len(folds) == projected, (folds, report.rewrites, report.rejected)
+    # and in backward the two batch norms of such a block read the add's gradient in one call (with bn_sums, where
+    # the first takes its sums from the conv that makes that gradient, the two stay apart)
+    pairs = [int(r.split()[2]) for r in report.rewrites if "pair(s) of batch-norm backwards" in r]
+    assert (pairs == [projected] if dual and projected and not bn_sums
+            else sum(pairs) <= projected if dual else not pairs), (pairs, report.rewrites, report.rejected)
 
 
 def check_one_step(net, seed, dynamic=False, **config):
