@@ -367,10 +367,7 @@ def reserve_tickets(device: torch.device) -> None:
     graph's memory pool, where a tensor that outlives the run is an error (torch's "tensor(s) in the cudagraph
     pool not tracked as outputs")."""
     if device.type == "cuda" and device not in _ARENAS:
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        with unset_fake_temporarily():  # aot_autograd compiles under a fake mode: this buffer must be real
-            _ARENAS[device] = [torch.zeros(ARENA, dtype=torch.int32, device=device), 0]
+        _ARENAS[device] = [torch.zeros(ARENA, dtype=torch.int32, device=device), 0]
 
 
 def tickets(device: torch.device, n: int) -> torch.Tensor:
