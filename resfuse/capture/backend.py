@@ -57,7 +57,6 @@ def compile_graph(gm: fx.GraphModule, example_inputs, *, config: Config, graph: 
         return original
     graphed_here = cuda_graphs.wanted(config.cuda_graphs, graph, example_inputs)
     why_not = cuda_graphs.refusal(gm, graph) if graphed_here else None  # before lowering: reads op schemas
-    kernels.reserve_tickets(example_inputs)  # now, not in a CUDA graph's warm-up (its pool keeps no buffers)
     built = build(gm, example_inputs, config, graph, report)
     if not graphed_here:
         return built

@@ -12,7 +12,6 @@ Entry points, called by ops/fused.py:
                                                      the epilogue alone, on an ATen result
   batch_norm_train(...), batch_norm_stats(...),     training batch norm (batch_norm.py, batch_norm_bwd.py)
   batch_norm_backward(...)
-  reserve_tickets(example_inputs)                    their counters, allocated at compile time
   max_pool2d(...), max_pool2d_backward(...)          max pooling and its gradient (max_pool.py)
   max_pool2d_epilogue(...)                          max pooling of a monotone epilogue's value (max_pool.py)
   set_options(interpret=..., cache_dir=..., split_k=..., pdl=...)   process-wide, set by resfuse.compile
@@ -106,15 +105,6 @@ def batch_norm_stats(x, weight, bias, running_mean, running_var, momentum, eps, 
     scale, shift), the last two fp32 [C]: y would be (x - save_mean) * scale + shift."""
     from .batch_norm import batch_norm_stats as run
     return run(x, weight, bias, running_mean, running_var, momentum, eps, config)
-
-
-def reserve_tickets(example_inputs) -> None:
-    """Allocate the batch-norm kernels' counters on the inputs' CUDA device now, outside any CUDA graph pool
-    (batch_norm.reserve_tickets says why); capture/backend.py calls this when it compiles a graph."""
-    device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda), None)
-    if device is not None:
-        from .batch_norm import reserve_tickets as reserve
-        reserve(device)
 
 
 def batch_norm_backward(grad_out, x, weight, save_mean, save_invstd, output_mask, grad_input=None, config=None,

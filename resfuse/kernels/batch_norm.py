@@ -357,27 +357,10 @@ def finalize_rows(cfg: BnConfig) -> int:
     return max(1, min(cfg.block_r, TILE // cfg.block_c))
 
 
-_ARENAS: dict = {}  # device -> [int32 counters, how many are taken]
-ARENA = 1 << 16
-
-
-def reserve_tickets(device: torch.device) -> None:
-    """Make `device`'s arena of last_to_finish counters now, if it has none: capture/backend.py calls this at
-    compile time. A plan made later, in CUDA graph trees' warm-up, would otherwise allocate its counters in the
-    graph's memory pool, where a tensor that outlives the run is an error (torch's "tensor(s) in the cudagraph
-    pool not tracked as outputs")."""
-    if device.type == "cuda" and device not in _ARENAS:
-        _ARENAS[device] = [torch.zeros(ARENA, dtype=torch.int32, device=device), 0]
-
-
 def tickets(device: torch.device, n: int) -> torch.Tensor:
-    """n zeroed int32 counters for last_to_finish, for a plan to keep: a slice of the device's arena (each launch
-    leaves its counters at zero), a fresh arena once one is used up (thousands of plans)."""
-    arena = _ARENAS.get(device)
-    if arena is None or arena[1] + n > len(arena[0]):
-        arena = _ARENAS[device] = [torch.zeros(max(ARENA, n), dtype=torch.int32, device=device), 0]
-    arena[1] += n
-    return arena[0][arena[1] - n:arena[1]]
+    """n zeroed int32 counters for last_to_finish, kept by a plan. Made by the plan's first call, which resfuse's
+    CUDA-graph path runs before it captures; each launch leaves them at zero."""
+    return torch.zeros(n, dtype=torch.int32, device=device)
 
 
 def row_splits(x3: torch.Tensor, device: torch.device, config: BnConfig | None) -> tuple:
