@@ -24,7 +24,7 @@ class Config:
     fuse_add_to_output: bool = True
     "OneFlow's FuseAddToOutput: a same-shape 2-input add is absorbed by the op that produces one operand."
     batch_norm_backward: bool = True
-    ("Run training's batch-norm backward on resfuse's Triton kernel (two deterministic passes) instead of "
+    ("Run training's batch-norm backward on resfuse's Triton kernel (three deterministic passes) instead of "
      "ATen's, where the fused ops run on Triton.")
     bn_backward_sums: bool = False
     ("Compute batch-norm backward's per-channel sums in the epilogue of the conv data gradient that produces its "

@@ -3,22 +3,20 @@ ResNet bottleneck, and OneFlow's "normalization" producer with add-to-output).
 
 Entry points: `batch_norm_train(x, weight, bias, running_mean, running_var, operands, signature, momentum, eps,
 out=None, config=None) -> (y, save_mean, save_invstd, new_running_mean, new_running_var)`, and
-`batch_norm_stats(...)`, pass 1 alone (a shortcut's batch norm that another's epilogue applies), reached
+`batch_norm_stats(...)`, passes 1 and 2 alone (a shortcut's batch norm that another's epilogue applies), reached
 through resfuse.kernels. It computes what aten._native_batch_norm_legit_functional(x, weight, bias, running_mean,
 running_var, True, momentum, eps) does, then the epilogue tree `signature` with `acc` = the affine output in
 fp32, and writes y in x's dtype. Also here: `FAMILY` (what codegen wraps), `BnConfig`, `default_config`.
 
 x is [N, C, *] (channel dim 1) at any strides that give an [S, P, C] view (epilogue.rows3): contiguous,
-channels_last, [N, C]. Two passes over memory, one kernel each:
+channels_last, [N, C]. Three passes over memory, one kernel each:
   1. `bn_partials_kernel`, grid (row splits, channel blocks): each program walks its rows tile by tile,
-     summing d and d^2 per lane, with d = x - a pivot near the mean (so a mean far from 0 costs no
-     precision); it writes one (mean, M2) per split and channel to an fp32 workspace. The last program of a
-     channel block to finish (tiles.last_to_finish) then merges its splits (`_bn_finalize`) with the k-group form
-     of Chan's formula, M2 = sum M2_i + sum n_i (mean_i - mean)^2, in fixed order, so results are bit-identical
-     run to run whichever program finishes last; it writes save_mean, save_invstd, the new running stats and the
-     per-channel scale and shift. (A kernel of its own for that step cost 5 us a call on an H100, 53 calls in a
-     ResNet-50 training step.)
-  2. the generated kernel (codegen.py, family "batch_norm"): acc = (x - mean) * scale + shift, the epilogue, y.
+     summing d and d^2 per lane, with d = x - the mean of the split's first tile (so a mean far from 0 costs
+     no precision); it writes one (mean, M2) per split and channel to an fp32 workspace.
+  2. `bn_finalize_kernel`, grid (channel blocks): merges the splits with the k-group form of Chan's formula,
+     M2 = sum M2_i + sum n_i (mean_i - mean)^2, in fixed order, so results are bit-identical run to run (no
+     atomics); writes save_mean, save_invstd, the new running stats and the per-channel scale and shift.
+  3. the generated kernel (codegen.py, family "batch_norm"): acc = (x - mean) * scale + shift, the epilogue, y.
 
 Return conventions: y has x's dtype, shape and strides (`out` if given, else torch.empty_like(x), made contiguous
 where x's strides are no [S, P, C] view, e.g. H and W swapped; such an x is read through a copy); save_mean and
@@ -43,7 +41,7 @@ from .codegen import Family
 from .activations import sum_rows
 from .elementwise import ewise_mainloop
 from .plan import Plan, operand_strides, pdl_meta, plan_key, sm_count
-from .tiles import cdiv, dependent_launch, last_to_finish
+from .tiles import cdiv, dependent_launch
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -56,12 +54,9 @@ def _row_offsets(rows, RPS, s_s, s_p):
 
 
 @triton.jit
-def bn_partials_kernel(x, ws, tickets, save_mean, save_invstd, w, b, rm, rv, rm_out, rv_out, M, C, RPS, s_xs, s_xp,
-                       s_xc, TILES_PER_SPLIT, SPLITS, momentum, eps, BP: tl.constexpr, BC: tl.constexpr,
-                       BR: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RUNNING: tl.constexpr,
-                       PDL: tl.constexpr):
-    """(mean, M2) of one split of rows for BC channels, into ws[2C + {0, SPLITS*C} + split*C + c]; the channel
-    block's last split to finish then merges them all (`_bn_finalize`)."""
+def bn_partials_kernel(x, ws, M, C, RPS, s_xs, s_xp, s_xc, TILES_PER_SPLIT, SPLITS,
+                       BP: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
+    """(mean, M2) of one split of rows for BC channels, into ws[2C + {0, SPLITS*C} + split*C + c]."""
     dependent_launch(PDL)
     pid_r = tl.program_id(0)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -69,24 +64,19 @@ def bn_partials_kernel(x, ws, tickets, save_mean, save_invstd, w, b, rm, rv, rm_
     cols = offs_c * s_xc
     t_lo = pid_r * TILES_PER_SPLIT
     t_hi = tl.minimum(t_lo + TILES_PER_SPLIT, cdiv(M, BP))
-    # Every value is taken relative to a pivot near the channel's mean: the sums then add numbers of the spread's
-    # size, not of the mean's, and sum(d^2) - sum(d)^2 / n cancels little. fp32 inputs take the mean of the split's
-    # first tile (within a fraction of a deviation); a single row, a few deviations off, cost fp32 variances up
-    # to 11 ulp (tests/kernels/test_batch_norm.py). fp16/bf16 inputs take the split's first row: that error is far
-    # below their own rounding, and the tile's reduction before the loop cost 0.15 ms of a ResNet-50 bs256 step
-    # on an H100 (BENCHMARKS.md, seventeenth session). The loop only loads and adds into per-lane registers
+    # Every value is taken relative to the mean of the split's first tile (within a fraction of a standard
+    # deviation of the channel's mean): the sums then add numbers of the spread's size, not of the mean's, and
+    # sum(d^2) - sum(d)^2 / n cancels little. (A single row as the pivot, a few deviations off, cost fp32
+    # variances up to 11 ulp: tests/kernels/test_batch_norm.py.) The loop only loads and adds into per-lane registers
     # (a tile's reduction per step left the loads latency-bound); the lanes are summed once at the end.
     # Two tiles a step, both loads issued before either is used: Triton does not pipeline a loop whose loads
     # feed no dot, and one tile in flight a program took 2.43 ms of a ResNet-50 bs256 step on an H100, two
     # 2.21 (bench/bn_order.py).
     row_hi = tl.minimum(t_hi * BP, M)
-    if x.dtype.element_ty == tl.float32:
-        rows0 = t_lo * BP + tl.arange(0, BP)
-        ok0 = (rows0 < row_hi)[:, None] & ok_c[None, :]
-        first = tl.load(x + _row_offsets(rows0, RPS, s_xs, s_xp)[:, None] + cols[None, :], mask=ok0, other=0.0)
-        pivot = sum_rows(tl.where(ok0, first, 0.0)) / tl.minimum(row_hi - t_lo * BP, BP).to(tl.float32)
-    else:
-        pivot = tl.load(x + _row_offsets(t_lo * BP, RPS, s_xs, s_xp) + cols, mask=ok_c, other=0.0).to(tl.float32)
+    rows0 = t_lo * BP + tl.arange(0, BP)
+    ok0 = (rows0 < row_hi)[:, None] & ok_c[None, :]
+    first = tl.load(x + _row_offsets(rows0, RPS, s_xs, s_xp)[:, None] + cols[None, :], mask=ok0, other=0.0)
+    pivot = sum_rows(tl.where(ok0, first.to(tl.float32), 0.0)) / tl.minimum(row_hi - t_lo * BP, BP).to(tl.float32)
     s1 = tl.full([BP, BC], 0.0, dtype=tl.float32)
     s2 = tl.full([BP, BC], 0.0, dtype=tl.float32)
     for t in range(t_lo, t_hi, 2):
@@ -107,26 +97,26 @@ def bn_partials_kernel(x, ws, tickets, save_mean, save_invstd, w, b, rm, rv, rm_
     out = ws + 2 * C + pid_r * C + offs_c
     tl.store(out, pivot + mean, mask=ok_c)
     tl.store(out + SPLITS * C, m2, mask=ok_c)
-    if last_to_finish(tickets + tl.program_id(1), SPLITS):
-        _bn_finalize(ws, save_mean, save_invstd, w, b, rm, rv, rm_out, rv_out, offs_c, ok_c, M, C, SPLITS,
-                     TILES_PER_SPLIT * BP, momentum, eps, BC, BR, HAS_W, HAS_B, HAS_RUNNING)
 
 
 @triton.jit
-def _bn_finalize(ws, save_mean, save_invstd, w, b, rm, rv, rm_out, rv_out, offs_c, ok_c, M, C, SPLITS,
-                 ROWS_PER_SPLIT, momentum, eps, BC: tl.constexpr, BR: tl.constexpr, HAS_W: tl.constexpr,
-                 HAS_B: tl.constexpr, HAS_RUNNING: tl.constexpr):
-    """Merge the splits' (mean, M2) for the channels offs_c, in a fixed order; write the statistics and
-    ws[0:C] = scale, ws[C:2C] = shift. The splits' values were stored by other programs: read past L1."""
+def bn_finalize_kernel(ws, save_mean, save_invstd, w, b, rm, rv, rm_out, rv_out,
+                       M, C, SPLITS, ROWS_PER_SPLIT, momentum, eps,
+                       BC: tl.constexpr, BR: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                       HAS_RUNNING: tl.constexpr, PDL: tl.constexpr):
+    """Merge the splits' (mean, M2) for BC channels; write the statistics and ws[0:C] = scale, ws[C:2C] = shift."""
+    dependent_launch(PDL)
+    offs_c = tl.program_id(0) * BC + tl.arange(0, BC)
+    ok_c = offs_c < C
     part = ws + 2 * C
-    pivot = tl.load(part + offs_c, mask=ok_c, other=0.0, cache_modifier=".cg")  # split 0's mean: sums stay small
+    pivot = tl.load(part + offs_c, mask=ok_c, other=0.0)  # split 0's mean, again so sums stay small
     # pass 1: the count-weighted mean of the split means
     acc = tl.full([BR, BC], 0.0, dtype=tl.float32)
     for r0 in range(0, SPLITS, BR):
         r = r0 + tl.arange(0, BR)
         ok = (r < SPLITS)[:, None] & ok_c[None, :]
         n_r = tl.minimum(M - r * ROWS_PER_SPLIT, ROWS_PER_SPLIT).to(tl.float32)
-        mean_r = tl.load(part + r[:, None] * C + offs_c[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+        mean_r = tl.load(part + r[:, None] * C + offs_c[None, :], mask=ok, other=0.0)
         acc += tl.where(ok, n_r[:, None] * (mean_r - pivot[None, :]), 0.0)
     shift_mean = sum_rows(acc) / M
     # pass 2: M2 = sum M2_i + sum n_i (mean_i - mean)^2
@@ -136,9 +126,8 @@ def _bn_finalize(ws, save_mean, save_invstd, w, b, rm, rv, rm_out, rv_out, offs_
         ok = (r < SPLITS)[:, None] & ok_c[None, :]
         n_r = tl.minimum(M - r * ROWS_PER_SPLIT, ROWS_PER_SPLIT).to(tl.float32)
         at = part + r[:, None] * C + offs_c[None, :]
-        dev = tl.load(at, mask=ok, other=0.0, cache_modifier=".cg") - pivot[None, :] - shift_mean[None, :]
-        m2_r = tl.load(at + SPLITS * C, mask=ok, other=0.0, cache_modifier=".cg")
-        acc += tl.where(ok, m2_r + n_r[:, None] * dev * dev, 0.0)
+        dev = tl.load(at, mask=ok, other=0.0) - pivot[None, :] - shift_mean[None, :]
+        acc += tl.where(ok, tl.load(at + SPLITS * C, mask=ok, other=0.0) + n_r[:, None] * dev * dev, 0.0)
     m2 = sum_rows(acc)
     mean = pivot + shift_mean
     invstd = tl.div_rn(1.0, tl.sqrt_rn(m2 / M + eps))
@@ -196,7 +185,7 @@ class BnProblem:
 
 @dataclasses.dataclass(frozen=True)
 class BnConfig:
-    """One tile shape for every pass, and how the statistics pass splits the rows."""
+    """One tile shape for all three passes, and how the statistics pass splits the rows."""
     block_p: int = 64  # rows per tile
     block_c: int = 64  # channels per tile
     splits: int = 1  # row splits per channel block in pass 1 (= partial statistics per channel)
@@ -242,8 +231,7 @@ class _BnPlan:
     cfg: BnConfig
     tiles_per_split: int
     splits: int
-    finalize_r: int  # partials the finishing program reads a step, per channel of its block
-    tickets: torch.Tensor  # int32 [channel blocks]: last_to_finish's counters (one stream runs a plan at a time)
+    finalize_c: int  # channels a finalize program merges: fewer where it reads many partials a step
     has_w: bool
     has_b: bool
     has_running: bool
@@ -258,7 +246,7 @@ class _BnPlan:
         return y, save_mean, save_invstd, rm_out, rv_out
 
     def stats(self, x, weight, bias, running_mean, running_var, momentum, eps):
-        """Pass 1: (x as the apply pass reads it, save_mean, save_invstd, ws (scale, shift first),
+        """Passes 1 and 2: (x as the apply pass reads it, save_mean, save_invstd, ws (scale, shift first),
         new running mean, new running var)."""
         if self.copy_x:
             x = x.contiguous()
@@ -271,11 +259,14 @@ class _BnPlan:
         rv_out = torch.empty_like(running_var) if self.has_running else None
         cfg = self.cfg
         bn_partials_kernel[(self.splits, triton.cdiv(self.c, cfg.block_c))](
-            x, ws, self.tickets, save_mean, save_invstd,
-            *(t if t is not None else ws for t in (weight, bias, running_mean, running_var, rm_out, rv_out)),
-            self.m, self.c, self.rps, *self.x_strides, self.tiles_per_split, self.splits, float(momentum), float(eps),
-            BP=cfg.block_p, BC=cfg.block_c, BR=self.finalize_r, HAS_W=self.has_w, HAS_B=self.has_b,
-            HAS_RUNNING=self.has_running, num_warps=cfg.num_warps, **self.pdl)
+            x, ws, self.m, self.c, self.rps, *self.x_strides, self.tiles_per_split, self.splits,
+            BP=cfg.block_p, BC=cfg.block_c, num_warps=cfg.num_warps, **self.pdl)
+        bn_finalize_kernel[(triton.cdiv(self.c, self.finalize_c),)](
+            ws, save_mean, save_invstd, *(t if t is not None else ws for t in (weight, bias, running_mean,
+                                                                                 running_var, rm_out, rv_out)),
+            self.m, self.c, self.splits, self.tiles_per_split * cfg.block_p, float(momentum), float(eps),
+            BC=self.finalize_c, BR=cfg.block_r, HAS_W=self.has_w, HAS_B=self.has_b, HAS_RUNNING=self.has_running,
+            **self.pdl)
         return x, save_mean, save_invstd, ws, rm_out, rv_out
 
 
@@ -326,13 +317,13 @@ def _plan(x, weight, bias, running_mean, running_var, operands, signature, out, 
     y_format, apply = torch.preserve_format, None
     if signature is not None:  # else the statistics alone (batch_norm_stats): no y, no apply pass
         y_format, apply = _apply_plan(x, x3, c, m, rps, cfg, operands, signature, out)
-    return _BnPlan(m, c, rps, x3.stride(), copy_x, y_format, cfg, tiles_per_split, splits, finalize_rows(cfg),
-                   tickets(x.device, triton.cdiv(c, cfg.block_c)), weight is not None, bias is not None,
-                   running_mean is not None, apply, pdl_meta(x.device))
+    finalize_c = min(cfg.block_c, max(1, TILE // cfg.block_r))
+    return _BnPlan(m, c, rps, x3.stride(), copy_x, y_format, cfg, tiles_per_split, splits, finalize_c,
+                   weight is not None, bias is not None, running_mean is not None, apply, pdl_meta(x.device))
 
 
 def _apply_plan(x, x3, c, m, rps, cfg, operands, signature, out) -> tuple[torch.memory_format, Plan]:
-    """y's memory format and the generated apply kernel's plan (pass 2)."""
+    """y's memory format and the generated apply kernel's plan (pass 3)."""
     y_format = torch.preserve_format
     if out is None and not _is_view3(torch.empty_like(x)):
         y_format = torch.contiguous_format  # x's strides are no [S, P, C] view (say H and W swapped)
@@ -349,18 +340,6 @@ def _apply_plan(x, x3, c, m, rps, cfg, operands, signature, out) -> tuple[torch.
     return y_format, Plan(codegen.load(FAMILY, signature), (tiles, 1, 1), head,
                           operand_strides(signature, operands, y.shape, 1), meta,
                           (tiles, 1, cfg.block_p, cfg.block_c), y.device)
-
-
-def finalize_rows(cfg: BnConfig) -> int:
-    """Partials the finishing program of a channel block reads a step: block_r, or fewer where its tile would pass
-    TILE elements."""
-    return max(1, min(cfg.block_r, TILE // cfg.block_c))
-
-
-def tickets(device: torch.device, n: int) -> torch.Tensor:
-    """n zeroed int32 counters for last_to_finish, kept by a plan. Made by the plan's first call, which resfuse's
-    CUDA-graph path runs before it captures; each launch leaves them at zero."""
-    return torch.zeros(n, dtype=torch.int32, device=device)
 
 
 def row_splits(x3: torch.Tensor, device: torch.device, config: BnConfig | None) -> tuple:

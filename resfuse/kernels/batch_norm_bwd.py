@@ -1,24 +1,23 @@
 """Training batch-norm backward: what aten.native_batch_norm_backward(grad_out, x, weight, ..., save_mean,
-save_invstd, True, eps, output_mask) computes, in two deterministic passes over memory.
+save_invstd, True, eps, output_mask) computes, in three deterministic passes over memory.
 
 Entry point: `batch_norm_backward(grad_out, x, weight, save_mean, save_invstd, output_mask, grad_input=None,
 config=None, sums=None, second=None) -> (grad_input, grad_weight, grad_bias)`, reached through resfuse.kernels
 (ops/training.py calls it for the resfuse::batch_norm_backward op that passes/bn_backward.py puts in backward
 graphs). With `second`, a `Norm` (x, weight, save_mean, save_invstd, grad_input) of another batch norm whose
 grad_out is the same tensor (a downsampling block's main and shortcut batch norms), it returns both batch norms'
-three gradients, and both passes read grad_out once for the two.
+three gradients, and passes 1 and 3 read grad_out once for the two.
 
-With g = grad_out, xmu = x - save_mean and M = N * H * W rows per channel, two passes over memory:
+With g = grad_out, xmu = x - save_mean and M = N * H * W rows per channel:
   1. `bnb_partials_kernel`, grid (row splits, channel blocks): per split, sum(g) and sum(g * xmu), added up in
      per-lane fp32 registers and summed over the lanes once at the end (the statistics pass's shape, batch_norm.py).
-     The last program of a channel block to finish (tiles.last_to_finish) adds the splits up (`_bnb_finalize`)
-     in a fixed order, so the result is bit-identical run to run; grad_bias = sum(g), grad_weight =
-     sum(g * xmu) * invstd; and the per-channel coefficients of grad_input = a * g + b * xmu + c, with
-     a = weight * invstd, b = -a * invstd^2 * sum(g * xmu) / M and c = -a * sum(g) / M (ATen's
-     batch_norm_backward_elemt, rearranged).
+  2. `bnb_finalize_kernel`, grid (channel blocks): adds the splits up in a fixed order (no atomics, so the result
+     is bit-identical run to run); grad_bias = sum(g), grad_weight = sum(g * xmu) * invstd; and the per-channel
+     coefficients of grad_input = a * g + b * xmu + c, with a = weight * invstd, b = -a * invstd^2 * sum(g * xmu)
+     / M and c = -a * sum(g) / M (ATen's batch_norm_backward_elemt, rearranged).
      With `sums` (fp32 [2, C]: sum(g), sum(g * xmu)), which grad_out's producer computed in its epilogue
-     (a bn_stats root, passes/bn_backward.py), this pass is skipped and `bnb_finalize_kernel` reads those.
-  2. `bnb_apply_kernel`, one program per tile of rows and channels, the channel blocks of a row tile one after
+     (a bn_stats root, passes/bn_backward.py), pass 1 is skipped and finalize reads those as a single split.
+  3. `bnb_apply_kernel`, one program per tile of rows and channels, the channel blocks of a row tile one after
      another (so together they read whole rows of a channels_last tensor), from the last rows to the first
      (elementwise.py says why): reads g and x once more and writes grad_input.
 
@@ -38,20 +37,17 @@ import triton.language as tl
 
 from .. import epilogue as epi
 from .activations import sum_rows
-from .batch_norm import _DTYPES, TILE, BnConfig, _is_view3, _row_offsets, finalize_rows, row_splits, tickets
+from .batch_norm import _DTYPES, TILE, BnConfig, _is_view3, _row_offsets, row_splits
 from .plan import pdl_meta, plan_key
-from .tiles import cdiv, dependent_launch, last_to_finish
+from .tiles import cdiv, dependent_launch
+
 
 
 @triton.jit
-def bnb_partials_kernel(g, x, mean, x2, mean2, part, tickets, coef, invstd, w, grad_w, grad_b, coef2, invstd2, w2,
-                        grad_w2, grad_b2, M, C, RPS, s_gs, s_gp, s_gc, s_xs, s_xp, s_xc, TILES_PER_SPLIT, SPLITS,
-                        BP: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, DUAL: tl.constexpr,
-                        HAS_W: tl.constexpr, HAS_W2: tl.constexpr, WANT_W: tl.constexpr, WANT_B: tl.constexpr,
-                        PDL: tl.constexpr):
+def bnb_partials_kernel(g, x, mean, x2, mean2, part, M, C, RPS, s_gs, s_gp, s_gc, s_xs, s_xp, s_xc, TILES_PER_SPLIT,
+                        SPLITS, BP: tl.constexpr, BC: tl.constexpr, DUAL: tl.constexpr, PDL: tl.constexpr):
     """sum(g), sum(g * (x - mean)) and, where DUAL, sum(g * (x2 - mean2)) of one split of rows for BC channels,
-    into part[k * SPLITS * C + split * C + c] for k = 0, 1, 2; the channel block's last split to finish then adds
-    them up for each batch norm (`_bnb_finalize`)."""
+    into part[k * SPLITS * C + split * C + c] for k = 0, 1, 2."""
     dependent_launch(PDL)
     pid_r = tl.program_id(0)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -80,38 +76,25 @@ def bnb_partials_kernel(g, x, mean, x2, mean2, part, tickets, coef, invstd, w, g
     tl.store(out + SPLITS * C, sum_rows(s_gx), mask=ok_c)
     if DUAL:
         tl.store(out + 2 * SPLITS * C, sum_rows(s_gx2), mask=ok_c)
-    if last_to_finish(tickets + tl.program_id(1), SPLITS):
-        _bnb_finalize(coef, part, part + SPLITS * C, invstd, w, grad_w, grad_b, offs_c, ok_c, M, C, SPLITS, BC, BR,
-                      HAS_W, WANT_W, WANT_B)
-        if DUAL:
-            _bnb_finalize(coef2, part, part + 2 * SPLITS * C, invstd2, w2, grad_w2, grad_b2, offs_c, ok_c, M, C,
-                          SPLITS, BC, BR, HAS_W2, WANT_W, WANT_B)
 
 
 @triton.jit
 def bnb_finalize_kernel(ws, part_g, part_gx, invstd, w, grad_w, grad_b, M, C, SPLITS,
                         BC: tl.constexpr, BR: tl.constexpr, HAS_W: tl.constexpr, WANT_W: tl.constexpr,
                         WANT_B: tl.constexpr, PDL: tl.constexpr):
-    """`_bnb_finalize` for BC channels a program, where grad_out's producer computed the sums (`sums`)."""
+    """Add the splits up for BC channels (part_g[r*C + c] and part_gx[r*C + c], r < SPLITS); write the
+    parameter gradients and ws[0:3C] = (a, b, c)."""
     dependent_launch(PDL)
     offs_c = tl.program_id(0) * BC + tl.arange(0, BC)
-    _bnb_finalize(ws, part_g, part_gx, invstd, w, grad_w, grad_b, offs_c, offs_c < C, M, C, SPLITS, BC, BR, HAS_W,
-                  WANT_W, WANT_B)
-
-
-@triton.jit
-def _bnb_finalize(ws, part_g, part_gx, invstd, w, grad_w, grad_b, offs_c, ok_c, M, C, SPLITS, BC: tl.constexpr,
-                  BR: tl.constexpr, HAS_W: tl.constexpr, WANT_W: tl.constexpr, WANT_B: tl.constexpr):
-    """Add the splits up for the channels offs_c (part_g[r*C + c] and part_gx[r*C + c], r < SPLITS, stored by
-    other programs: read past L1); write the parameter gradients and ws[0:3C] = (a, b, c)."""
+    ok_c = offs_c < C
     acc_g = tl.full([BR, BC], 0.0, dtype=tl.float32)
     acc_gx = tl.full([BR, BC], 0.0, dtype=tl.float32)
     for r0 in range(0, SPLITS, BR):
         r = r0 + tl.arange(0, BR)
         ok = (r < SPLITS)[:, None] & ok_c[None, :]
         at = r[:, None] * C + offs_c[None, :]
-        acc_g += tl.load(part_g + at, mask=ok, other=0.0, cache_modifier=".cg")
-        acc_gx += tl.load(part_gx + at, mask=ok, other=0.0, cache_modifier=".cg")
+        acc_g += tl.load(part_g + at, mask=ok, other=0.0)
+        acc_gx += tl.load(part_gx + at, mask=ok, other=0.0)
     sum_g = sum_rows(acc_g)
     sum_gx = sum_rows(acc_gx)
     istd = tl.load(invstd + offs_c, mask=ok_c, other=0.0).to(tl.float32)
@@ -169,10 +152,8 @@ class _BnbPlan:
     cfg: BnConfig
     tiles_per_split: int
     splits: int
-    finalize_c: int  # channels a program of the separate finalize kernel (with `sums`) merges
-    finalize_r: int  # partials the partials kernel's finishing program reads a step, per channel
-    tickets: torch.Tensor  # int32 [channel blocks]: last_to_finish's counters (one stream runs a plan at a time)
-    pdl: dict  # plan.pdl_meta's options for the kernels
+    finalize_c: int
+    pdl: dict  # plan.pdl_meta's options for the three kernels
 
     def run(self, g, norms, mask, sums=None):
         """norms: one or two Norm (x, weight, save_mean, save_invstd, grad_input) of batch norms whose grad_out is g,
@@ -188,28 +169,24 @@ class _BnbPlan:
         ws = torch.empty(n_coef + (0 if sums is not None else (1 + len(norms)) * splits * self.c), **f32)
         cfg, blocks_c = self.cfg, triton.cdiv(self.c, self.cfg.block_c)
         second = norms[-1]
-        part = sums.view(-1) if sums is not None else ws[n_coef:]
-        coefs, grads = [ws[3 * self.c * k:] for k in range(len(norms))], []
-        for n in norms:
-            grad_dtype = n.weight.dtype if n.weight is not None else n.x.dtype  # what aten returns
-            grads.append([torch.empty(self.c, dtype=grad_dtype, device=x.device) if on else None for on in mask[1:]])
-        if sums is None:  # the partials kernel's finishing programs compute the coefficients
+        if sums is None:
             bnb_partials_kernel[(splits, blocks_c)](
-                g, x, norms[0].save_mean, second.x, second.save_mean, part, self.tickets,
-                *(t if t is not None else ws for coef, n, gr in ((coefs[0], norms[0], grads[0]),
-                                                                  (coefs[-1], second, grads[-1]))
-                  for t in (coef, n.save_invstd, n.weight, *gr)),
-                self.m, self.c, self.rps, *self.strides[:6], self.tiles_per_split, splits, BP=cfg.block_p,
-                BC=cfg.block_c, BR=self.finalize_r, DUAL=dual, HAS_W=norms[0].weight is not None,
-                HAS_W2=second.weight is not None, WANT_W=bool(mask[1]), WANT_B=bool(mask[2]),
+                g, x, norms[0].save_mean, second.x, second.save_mean, ws[n_coef:], self.m, self.c, self.rps,
+                *self.strides[:6], self.tiles_per_split, splits, BP=cfg.block_p, BC=cfg.block_c, DUAL=dual,
                 num_warps=cfg.num_warps, **self.pdl)
-        else:
-            n = norms[0]
+        part = sums.view(-1) if sums is not None else ws[n_coef:]
+        results, coefs = [], []
+        for k, n in enumerate(norms):
+            grad_dtype = n.weight.dtype if n.weight is not None else n.x.dtype  # what aten returns
+            grad_w = torch.empty(self.c, dtype=grad_dtype, device=x.device) if mask[1] else None
+            grad_b = torch.empty(self.c, dtype=grad_dtype, device=x.device) if mask[2] else None
+            coefs.append(ws[3 * self.c * k:])
             bnb_finalize_kernel[(triton.cdiv(self.c, self.finalize_c),)](
-                coefs[0], part, part[self.c:], n.save_invstd,
-                *(t if t is not None else ws for t in (n.weight, *grads[0])), self.m, self.c, 1, BC=self.finalize_c,
-                BR=1, HAS_W=n.weight is not None, WANT_W=bool(mask[1]), WANT_B=bool(mask[2]), **self.pdl)
-        results = [t for n, gr in zip(norms, grads) for t in (n.grad_input if mask[0] else None, *gr)]
+                coefs[k], part, part[(1 + k) * splits * self.c:], n.save_invstd,
+                *(t if t is not None else ws for t in (n.weight, grad_w, grad_b)), self.m, self.c, splits,
+                BC=self.finalize_c, BR=cfg.block_r, HAS_W=n.weight is not None, WANT_W=bool(mask[1]),
+                WANT_B=bool(mask[2]), **self.pdl)
+            results += [n.grad_input if mask[0] else None, grad_w, grad_b]
         if mask[0]:
             bnb_apply_kernel[(triton.cdiv(self.m, cfg.block_p) * blocks_c,)](
                 g, x, norms[0].save_mean, coefs[0], norms[0].grad_input, second.x, second.save_mean, coefs[-1],
@@ -292,6 +269,6 @@ def _plan(g, norms, mask, config) -> _BnbPlan:
     o3 = epi.rows3(dx, dx.shape, 1) if mask[0] else x3
     rps = x3.shape[1]
     cfg, m, tiles_per_split, splits = row_splits(x3, x.device, config)
+    finalize_c = min(cfg.block_c, max(1, TILE // cfg.block_r))
     return _BnbPlan(m, c, rps, copy, (*g3.stride(), *x3.stride(), *o3.stride()), cfg, tiles_per_split, splits,
-                    min(cfg.block_c, TILE), finalize_rows(cfg), tickets(x.device, triton.cdiv(c, cfg.block_c)),
-                    pdl_meta(x.device))
+                    finalize_c, pdl_meta(x.device))

@@ -2,8 +2,7 @@
 
 Entry points: `swizzle_tile(pid, tiles_m, tiles_n, GROUP_M)`, `k_range(pid_k, blocks, SPLIT_K)`, `mma` and `cdiv`,
 called by matmul.py and conv2d_fprop.py so that both families order their tiles and split their reduction the
-same way; `dependent_launch(PDL)`, every kernel's first statement (programmatic dependent launch);
-`last_to_finish(ticket, n)`, which of n programs got to a point last (a reduction's finishing step).
+same way; `dependent_launch(PDL)`, every kernel's first statement (programmatic dependent launch).
 
 Kernels here use Triton builtins only, never triton.language.standard's @jit helpers (tl.cdiv, tl.sum, and
 since triton 3.7 tl.zeros: use tl.full): those are decorated when triton is first imported, so if that
@@ -29,19 +28,6 @@ def dependent_launch(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-@triton.jit
-def last_to_finish(ticket, n):
-    """Is this program the last of the n sharing `ticket` (an int32 counter, 0 between launches) to get here? Every
-    store the n made before the call is then visible to the one that gets True, which resets the counter. The
-    barrier orders all of a program's threads' stores before its one atomic, whose release publishes them and
-    whose acquire, in the last program, precedes its reads; those must still bypass L1 (cache_modifier=".cg")."""
-    tl.debug_barrier()
-    last = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == n - 1
-    if last:
-        tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
-    return last
 
 
 @triton.jit

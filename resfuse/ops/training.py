@@ -17,7 +17,7 @@ conv2d_dgrad_stats takes the same arguments for an epilogue with a bn_stats root
 fp32 [2, C], sum(out) and sum(out * (x - mean)) per channel, which the batch norm before the conv (in forward
 order) needs for its backward; passes/bn_backward.py hands them to batch_norm_backward.
 
-batch_norm_backward is aten.native_batch_norm_backward in training mode on our kernel (two deterministic
+batch_norm_backward is aten.native_batch_norm_backward in training mode on our kernel (three deterministic
 passes: kernels/batch_norm_bwd.py), put in backward graphs by passes/bn_backward.py. It always returns all
 three gradients (the parameter gradients cost C values each); the graph reads the ones it asked for. Given
 `sums`, its Triton path skips its own pass over grad_out and x for them. batch_norm_backward_dual is two of

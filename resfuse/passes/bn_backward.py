@@ -3,7 +3,7 @@ becomes resfuse::batch_norm_backward (ops/training.py) where the fused ops run o
 
 Entry point: `batch_norm_backward(gm, ctx)`, a pass after the fusion passes. Its input is the conv
 data-gradient the fusion passes already gave relu's gradient and the skip-gradient add. It replaces ATen's two
-kernels (a reduction, then the elementwise pass) by our two, which read grad_out and x in one layout-aware
+kernels (a reduction, then the elementwise pass) by our three, which read grad_out and x in one layout-aware
 pass each.
 
 Then a fusion (switch `bn_backward_sums`): where grad_out comes from a resfuse::conv2d_dgrad, that op computes

@@ -226,8 +226,6 @@ def test_plans_are_cached_and_odd_strides_are_copied():
     for _ in range(2):
         y, *_ = _run(x, w, b, None, None, [], "acc")
     assert len(batch_norm._PLANS) == before + 1
-    plan = list(batch_norm._PLANS.values())[-1]
-    assert plan.splits > 1 and not plan.tickets.any()  # the finishing program left its counters at zero
     ref = _aten64(x, w, b, None, None, 0.1, 1e-5)[0]
     torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4)
 
