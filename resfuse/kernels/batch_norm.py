@@ -11,8 +11,8 @@ fp32, and writes y in x's dtype. Also here: `FAMILY` (what codegen wraps), `BnCo
 x is [N, C, *] (channel dim 1) at any strides that give an [S, P, C] view (epilogue.rows3): contiguous,
 channels_last, [N, C]. Three passes over memory, one kernel each:
   1. `bn_partials_kernel`, grid (row splits, channel blocks): each program walks its rows tile by tile,
-     summing d and d^2 per lane, with d = x - the mean of the split's first tile (so a mean far from 0 costs
-     no precision); it writes one (mean, M2) per split and channel to an fp32 workspace.
+     summing d and d^2 per lane, with d = x - a pivot near the mean (so a mean far from 0 costs no
+     precision); it writes one (mean, M2) per split and channel to an fp32 workspace.
   2. `bn_finalize_kernel`, grid (channel blocks): merges the splits with the k-group form of Chan's formula,
      M2 = sum M2_i + sum n_i (mean_i - mean)^2, in fixed order, so results are bit-identical run to run (no
      atomics); writes save_mean, save_invstd, the new running stats and the per-channel scale and shift.
@@ -64,19 +64,24 @@ def bn_partials_kernel(x, ws, M, C, RPS, s_xs, s_xp, s_xc, TILES_PER_SPLIT, SPLI
     cols = offs_c * s_xc
     t_lo = pid_r * TILES_PER_SPLIT
     t_hi = tl.minimum(t_lo + TILES_PER_SPLIT, cdiv(M, BP))
-    # Every value is taken relative to the mean of the split's first tile (within a fraction of a standard
-    # deviation of the channel's mean): the sums then add numbers of the spread's size, not of the mean's, and
-    # sum(d^2) - sum(d)^2 / n cancels little. (A single row as the pivot, a few deviations off, cost fp32
-    # variances up to 11 ulp: tests/kernels/test_batch_norm.py.) The loop only loads and adds into per-lane registers
+    # Every value is taken relative to a pivot near the channel's mean: the sums then add numbers of the spread's
+    # size, not of the mean's, and sum(d^2) - sum(d)^2 / n cancels little. fp32 inputs take the mean of the split's
+    # first tile (within a fraction of a deviation); a single row, a few deviations off, cost fp32 variances up
+    # to 11 ulp (tests/kernels/test_batch_norm.py). fp16/bf16 inputs take the split's first row: that error is far
+    # below their own rounding, and the tile's reduction before the loop cost 0.15 ms of a ResNet-50 bs256 step
+    # on an H100 (BENCHMARKS.md, seventeenth session). The loop only loads and adds into per-lane registers
     # (a tile's reduction per step left the loads latency-bound); the lanes are summed once at the end.
     # Two tiles a step, both loads issued before either is used: Triton does not pipeline a loop whose loads
     # feed no dot, and one tile in flight a program took 2.43 ms of a ResNet-50 bs256 step on an H100, two
     # 2.21 (bench/bn_order.py).
     row_hi = tl.minimum(t_hi * BP, M)
-    rows0 = t_lo * BP + tl.arange(0, BP)
-    ok0 = (rows0 < row_hi)[:, None] & ok_c[None, :]
-    first = tl.load(x + _row_offsets(rows0, RPS, s_xs, s_xp)[:, None] + cols[None, :], mask=ok0, other=0.0)
-    pivot = sum_rows(tl.where(ok0, first.to(tl.float32), 0.0)) / tl.minimum(row_hi - t_lo * BP, BP).to(tl.float32)
+    if x.dtype.element_ty == tl.float32:
+        rows0 = t_lo * BP + tl.arange(0, BP)
+        ok0 = (rows0 < row_hi)[:, None] & ok_c[None, :]
+        first = tl.load(x + _row_offsets(rows0, RPS, s_xs, s_xp)[:, None] + cols[None, :], mask=ok0, other=0.0)
+        pivot = sum_rows(tl.where(ok0, first, 0.0)) / tl.minimum(row_hi - t_lo * BP, BP).to(tl.float32)
+    else:
+        pivot = tl.load(x + _row_offsets(t_lo * BP, RPS, s_xs, s_xp) + cols, mask=ok_c, other=0.0).to(tl.float32)
     s1 = tl.full([BP, BC], 0.0, dtype=tl.float32)
     s2 = tl.full([BP, BC], 0.0, dtype=tl.float32)
     for t in range(t_lo, t_hi, 2):
