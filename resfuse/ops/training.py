@@ -217,11 +217,8 @@ def batch_norm_backward_impl(grad_out: torch.Tensor, x: torch.Tensor, weight: Op
         from .. import kernels
 
         _record("batch_norm_backward", "sums" if sums is not None else "", "triton")
-        strides = _grad_input_strides(tuple(grad_out.shape), grad_out.stride(), x.stride(), x.dtype, x.device)
-        dx = torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device)
-        dx, dw, db = kernels.batch_norm_backward(grad_out, x, weight, save_mean, save_invstd, (True, True, True), dx,
-                                                 sums=sums)
-        return dx, dw, db
+        return kernels.batch_norm_backward(grad_out, x, weight, save_mean, save_invstd, (True, True, True),
+                                           _grad_input(grad_out, x), sums=sums)
     _record("batch_norm_backward", "", "reference")
     return _aten_bn_backward(grad_out, x, weight, save_mean, save_invstd, eps)
 
@@ -239,11 +236,9 @@ def batch_norm_backward_dual_impl(grad_out: torch.Tensor, x: torch.Tensor, weigh
         from .. import kernels
 
         _record("batch_norm_backward", "dual", "triton")
-        dx, dx2 = (torch.empty_strided(t.shape, _grad_input_strides(tuple(grad_out.shape), grad_out.stride(),
-                                                                      t.stride(), t.dtype, t.device),
-                                       dtype=t.dtype, device=t.device) for t in (x, x2))
-        return kernels.batch_norm_backward(grad_out, x, weight, save_mean, save_invstd, (True, True, True), dx,
-                                           second=(x2, weight2, save_mean2, save_invstd2, dx2))
+        return kernels.batch_norm_backward(grad_out, x, weight, save_mean, save_invstd, (True, True, True),
+                                           _grad_input(grad_out, x),
+                                           second=(x2, weight2, save_mean2, save_invstd2, _grad_input(grad_out, x2)))
     _record("batch_norm_backward", "dual", "reference")
     return (*_aten_bn_backward(grad_out, x, weight, save_mean, save_invstd, eps),
             *_aten_bn_backward(grad_out, x2, weight2, save_mean2, save_invstd2, eps2))
@@ -255,6 +250,12 @@ batch_norm_backward_dual = library.Op("batch_norm_backward_dual", batch_norm_bac
 def _aten_bn_backward(grad_out, x, weight, save_mean, save_invstd, eps):
     return aten.native_batch_norm_backward(grad_out, x, weight, None, None, save_mean, save_invstd, True, eps,
                                            [True, True, True])
+
+
+def _grad_input(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """An empty grad_input for x at the strides ATen's batch-norm backward would give it."""
+    strides = _grad_input_strides(tuple(grad_out.shape), grad_out.stride(), x.stride(), x.dtype, x.device)
+    return torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device)
 
 
 @functools.lru_cache(maxsize=None)
