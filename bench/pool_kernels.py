@@ -3,10 +3,11 @@ relu output, channels_last).
 
 Entry point: `python bench/pool_kernels.py [--batch 32 256] [--dtype fp16] [--out DIR]`, on a GPU machine.
 For each batch:
-  forward:            ours with indices (training) and without (inference) against ATen's
-                      max_pool2d_with_indices (what eager and our graphs ran) and torch.compile's kernel;
-  backward (+ drelu): ours, relu's gradient applied on the way out, against ATen's pool backward followed by
-                      threshold_backward, and torch.compile's fused backward.
+  forward:            ours with ATen's indices, with int8 window codes (training) and without indices
+                      (inference) against ATen's max_pool2d_with_indices and torch.compile's kernel;
+  backward (+ drelu): ours, relu's gradient applied on the way out (from the mask, or from the window codes'
+                      flag), against ATen's pool backward followed by threshold_backward, and torch.compile's
+                      fused backward.
 Numerics first (values and indices equal ATen's; backward against ATen in fp32). Times: each call replayed in a
 CUDA graph (triton's do_bench_cudagraph), median. The bandwidth column is the minimal bytes over the time.
 Prints a table; the rows go to DIR/pool_kernels.json.
@@ -24,6 +25,7 @@ from triton.testing import do_bench_cudagraph
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from resfuse import kernels  # noqa: E402
 from resfuse.kernels import max_pool  # noqa: E402
+from resfuse.ops.pooling import aten_indices  # noqa: E402
 
 aten = torch.ops.aten
 ARGS = ([3, 3], [2, 2], [1, 1], [1, 1], False)
@@ -47,6 +49,13 @@ def one_batch(batch: int, dtype: torch.dtype) -> list[dict]:
     kernels.max_pool2d_backward(g, idx, *ARGS[:4], dx, x, 0.0)
     err = ((dx.float() - ref).norm() / ref.norm()).item()
     assert err < 1e-3, f"backward relative error {err}"
+    codes = torch.empty_like(idx, dtype=torch.int8)
+    kernels.max_pool2d(x, *ARGS[:4], ours_out, codes)
+    assert torch.equal(ours_out, out) and torch.equal(aten_indices(codes, x.shape[3], *ARGS[:4]), idx), \
+        "window codes differ from ATen's indices"
+    dx_codes = torch.empty_like(x)
+    kernels.max_pool2d_backward(g, codes, *ARGS[:4], dx_codes, x, 0.0, True)
+    assert torch.equal(dx_codes, dx), "the backward from window codes differs from the one from ATen's indices"
 
     def compiled_fwd(t):
         return torch.nn.functional.max_pool2d(t, 3, 2, 1, return_indices=True)
@@ -67,18 +76,22 @@ def one_batch(batch: int, dtype: torch.dtype) -> list[dict]:
     row("forward + indices: ours", lambda: kernels.max_pool2d(x, *ARGS[:4], ours_out, ours_idx), x_b + o_b + i_b)
     row("forward + indices: aten", lambda: aten.max_pool2d_with_indices(x, *ARGS), x_b + o_b + i_b)
     row("forward + indices: torch.compile", lambda: fwd_c(x), x_b + o_b + i_b)
+    row("forward + window codes: ours", lambda: kernels.max_pool2d(x, *ARGS[:4], ours_out, codes),
+        x_b + o_b + codes.numel())
     row("forward (inference): ours", lambda: kernels.max_pool2d(x, *ARGS[:4], ours_out), x_b + o_b)
     row("backward + drelu: ours", lambda: kernels.max_pool2d_backward(g, idx, *ARGS[:4], dx, x, 0.0),
         o_b + i_b + 2 * x_b)
+    row("backward + drelu, window codes: ours",
+        lambda: kernels.max_pool2d_backward(g, codes, *ARGS[:4], dx_codes, x, 0.0, True), o_b + codes.numel() + x_b)
     row("backward + drelu: aten", lambda: aten.threshold_backward(
         aten.max_pool2d_with_indices_backward(g, x, *ARGS, idx), x, 0), o_b + i_b + 2 * x_b)
     row("backward + drelu: torch.compile (recomputes the indices)", lambda: bwd_c(x, g), o_b + 2 * x_b)
     if SWEEP:
         for tile in [(bm, bc, w) for bc in (32, 64) for bm in (16, 32, 64, 128) for w in (2, 4, 8)]:
-            row(f"sweep fwd+idx {tile}", lambda: max_pool.max_pool2d(x, *ARGS[:4], ours_out, ours_idx, tile),
+            row(f"sweep fwd+idx {tile}", lambda: max_pool.max_pool2d(x, *ARGS[:4], ours_out, ours_idx, tile=tile),
                 x_b + o_b + i_b)
-            row(f"sweep fwd {tile}", lambda: max_pool.max_pool2d(x, *ARGS[:4], ours_out, None, tile), x_b + o_b)
-            row(f"sweep bwd {tile}", lambda: max_pool.max_pool2d_backward(g, idx, *ARGS[:4], dx, x, 0.0, tile),
+            row(f"sweep fwd {tile}", lambda: max_pool.max_pool2d(x, *ARGS[:4], ours_out, None, tile=tile), x_b + o_b)
+            row(f"sweep bwd {tile}", lambda: max_pool.max_pool2d_backward(g, idx, *ARGS[:4], dx, x, 0.0, tile=tile),
                 o_b + i_b + 2 * x_b)
     return rows
 

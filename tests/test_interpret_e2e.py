@@ -197,8 +197,8 @@ class _Stem(torch.nn.Module):
 
 def test_max_pool_runs_our_kernels_in_inference_and_training():
     """The stem's pool runs our kernels: in inference without writing indices and computing the conv's batch
-    norm and relu itself, in training with indices, and its backward with relu's gradient applied on the way
-    out; outputs and gradients equal eager's."""
+    norm and relu itself, in training with window codes for indices, and its backward with relu's gradient
+    applied on the way out; outputs and gradients equal eager's."""
     import copy
 
     from resfuse.ops import PATHS
@@ -226,7 +226,8 @@ def test_max_pool_runs_our_kernels_in_inference_and_training():
     assert rel(loss, ref) < 1e-5
     for (name, p), q in zip(stem.named_parameters(), twin.parameters()):
         assert rel(p.grad, q.grad) < 1e-4, name
-    assert PATHS[("max_pool2d_backward", "", "triton")] == 1
+    assert PATHS[("max_pool2d", "window codes", "triton")] == 1
+    assert PATHS[("max_pool2d_backward", "window codes", "triton")] == 1
     rewrites = compiled.resfuse_report.rewrites
     assert "forward graph: 1 max-pool op(s) on resfuse's kernels" in rewrites
     assert "backward graph: 1 max-pool op(s) on resfuse's kernels (1 with relu's gradient)" in rewrites

@@ -27,6 +27,9 @@ import sys
 
 import torch
 
+# A max-pool window code's flag (max_pool.py): the window's maximum is <= 0. Its taps are numbered below it.
+WINDOW_NOT_POSITIVE = 64
+
 # Triton's own switch (set by a test harness, or by set_options) tells the mode kernels get built in.
 _OPTIONS = {"interpret": os.environ.get("TRITON_INTERPRET", "0") == "1", "cache_dir": None, "split_k": None,
             "pdl": True}
@@ -119,7 +122,8 @@ def batch_norm_backward(grad_out, x, weight, save_mean, save_invstd, output_mask
 
 
 def max_pool2d(x, kernel, stride, padding, dilation, out, indices=None):
-    """Max pooling -> (out, indices); indices (int64, ATen's) are written only when given."""
+    """Max pooling -> (out, indices); indices are written only when given: int64 as ATen's, int8 as window codes
+    (max_pool.py)."""
     from .max_pool import max_pool2d as run
     return run(x, kernel, stride, padding, dilation, out, indices)
 
@@ -130,7 +134,9 @@ def max_pool2d_epilogue(x, operands, signature, kernel, stride, padding, dilatio
     return run(x, operands, signature, kernel, stride, padding, dilation, out)
 
 
-def max_pool2d_backward(grad_out, indices, kernel, stride, padding, dilation, grad_input, mask=None, threshold=0.0):
-    """grad_input of max pooling, optionally through relu's gradient (mask <= threshold -> 0)."""
+def max_pool2d_backward(grad_out, indices, kernel, stride, padding, dilation, grad_input, mask=None, threshold=0.0,
+                        mask_is_input=False):
+    """grad_input of max pooling, optionally through relu's gradient (mask <= threshold -> 0); with window codes
+    and a mask that is the pool's input, the codes give relu's gradient."""
     from .max_pool import max_pool2d_backward as run
-    return run(grad_out, indices, kernel, stride, padding, dilation, grad_input, mask, threshold)
+    return run(grad_out, indices, kernel, stride, padding, dilation, grad_input, mask, threshold, mask_is_input)

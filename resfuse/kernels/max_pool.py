@@ -4,7 +4,7 @@ Entry points, reached through resfuse.kernels (ops/pooling.py calls them for the
 in graphs):
   max_pool2d(x, kernel, stride, padding, dilation, out, indices=None) -> (out, indices)
   max_pool2d_backward(grad_out, indices, kernel, stride, padding, dilation, grad_input, mask=None,
-                      threshold=0.0) -> grad_input
+                      threshold=0.0, mask_is_input=False) -> grad_input
 
 ATen's CUDA kernels for a channels_last max-pool run far below the memory bandwidth: in a ResNet-50 bs256
 training step the stem's pool took 0.82 ms forward and 1.83 ms backward (BENCHMARKS.md), for about 0.9 GB and
@@ -14,7 +14,12 @@ channels), so they run at the bandwidth of whichever layout they get.
 Semantics are ATen's: a NaN in a window wins (the last NaN scanned, rows then columns); otherwise the first
 maximum wins; padding never does. `indices` holds ih * W + iw of the winner in its input plane; a window of
 only -inf points at its first in-bounds element (ATen's CPU and NCHW CUDA kernels; its NHWC CUDA kernel says
-0). The backward gathers instead of scattering: each input element sums the gradients of the (at most
+0). Indices of dtype int8 are window codes instead, which only our backward reads (passes/pooling.py asks for
+them where the indices are saved for the backward alone): the winner's tap in its window, kh * KW + kw, plus
+NOT_POSITIVE where the maximum is <= 0 (not NaN). An eighth of the bytes, and the flag is relu's gradient at the
+winner, which is all the stem's relu -> max-pool backward needs of the relu's output (the winner's value is the
+pooled value): the backward reads neither int64 indices nor a mask as large as the pool's input. The backward
+gathers instead of scattering: each input element sums the gradients of the (at most
 ceil(KH / stride) * ceil(KW / stride)) windows that chose it, in ATen's order (rows, then columns, ascending),
 so there are no atomics, no zero fill and the result is deterministic. An optional `mask` applies relu's
 gradient on the way out (threshold_backward(grad_input, mask, threshold)): the stem's relu -> max-pool.
@@ -25,9 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
+from . import WINDOW_NOT_POSITIVE
 from .plan import pdl_meta
 from .tiles import dependent_launch
 
+NOT_POSITIVE = tl.constexpr(WINDOW_NOT_POSITIVE)
 
 @triton.jit
 def _rows(offs, A, B, BIG: tl.constexpr):
@@ -57,16 +64,22 @@ def _output_tile(N, C, OH, OW, SH: tl.constexpr, SW: tl.constexpr, PH: tl.conste
 def max_pool2d_kernel(x, out, idx, N, C, H, W, OH, OW, s_xn, s_xc, s_xh, s_xw, s_on, s_oc, s_oh, s_ow,
                       s_in, s_ic, s_ih, s_iw, KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr,
                       SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
-                      WITH_INDICES: tl.constexpr, BIG: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
-                      PDL: tl.constexpr):
-    """One [BM output pixels, BC channels] tile: the max over each pixel's window, and where it was."""
+                      WITH_INDICES: tl.constexpr, WINDOW: tl.constexpr, BIG: tl.constexpr, BM: tl.constexpr,
+                      BC: tl.constexpr, PDL: tl.constexpr):
+    """One [BM output pixels, BC channels] tile: the max over each pixel's window, and where it was (WINDOW: as
+    a window code, see the module's docstring)."""
     dependent_launch(PDL)
     n, oh, ow, offs_c, row_ok, ok_c, ih0, iw0 = _output_tile(N, C, OH, OW, SH, SW, PH, PW, BIG, BM, BC)
-    # the first in-bounds tap of each window: where a window of only -inf points
-    first_h = ih0 + ((tl.maximum(-ih0, 0) + DH - 1) // DH) * DH
-    first_w = iw0 + ((tl.maximum(-iw0, 0) + DW - 1) // DW) * DW
+    # the first in-bounds tap of each window: where a window of only -inf points (a window with none, which
+    # ATen's checks rule out, keeps a tap inside the window so that its code stays below 64)
+    kh0 = (tl.maximum(-ih0, 0) + DH - 1) // DH
+    kw0 = (tl.maximum(-iw0, 0) + DW - 1) // DW
+    if WINDOW:
+        first = tl.minimum(kh0, KH - 1) * KW + tl.minimum(kw0, KW - 1)
+    else:
+        first = (ih0 + kh0 * DH) * W + iw0 + kw0 * DW
     best = tl.full([BM, BC], float("-inf"), tl.float32)
-    where = tl.broadcast_to((first_h * W + first_w)[:, None], [BM, BC])
+    where = tl.broadcast_to(first[:, None], [BM, BC])
     x_c = (offs_c * s_xc)[None, :]
     for kh in tl.static_range(KH):
         ih = ih0 + kh * DH
@@ -77,13 +90,15 @@ def max_pool2d_kernel(x, out, idx, N, C, H, W, OH, OW, s_xn, s_xc, s_xh, s_xw, s
                         mask=inside[:, None] & ok_c[None, :], other=float("-inf")).to(tl.float32)
             take = (v > best) | (v != v)
             best = tl.where(take, v, best)
-            where = tl.where(take, (ih * W + iw)[:, None], where)
+            where = tl.where(take, kh * KW + kw if WINDOW else (ih * W + iw)[:, None], where)
     ok = row_ok[:, None] & ok_c[None, :]
     tl.store(out + (n * s_on + oh * s_oh + ow * s_ow)[:, None] + (offs_c * s_oc)[None, :],
              best.to(out.dtype.element_ty), mask=ok)
     if WITH_INDICES:
-        tl.store(idx + (n * s_in + oh * s_ih + ow * s_iw)[:, None] + (offs_c * s_ic)[None, :], where.to(tl.int64),
-                 mask=ok)
+        if WINDOW:
+            where = tl.where(best <= 0.0, where + NOT_POSITIVE, where)
+        tl.store(idx + (n * s_in + oh * s_ih + ow * s_iw)[:, None] + (offs_c * s_ic)[None, :],
+                 where.to(idx.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -91,13 +106,15 @@ def max_pool2d_backward_kernel(g, idx, dx, m, N, C, H, W, OH, OW, s_gn, s_gc, s_
                                s_dn, s_dc, s_dh, s_dw, s_mn, s_mc, s_mh, s_mw, THRESHOLD,
                                KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
                                PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
-                               MASK: tl.constexpr, BIG: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
-                               PDL: tl.constexpr):
+                               MASK: tl.constexpr, WINDOW: tl.constexpr, SIGN: tl.constexpr, BIG: tl.constexpr,
+                               BM: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
     """One [BM input pixels, BC channels] tile of grad_input: the sum of the gradients of the windows whose
     index points here, in ascending (oh, ow) as ATen adds them. Without dilation the windows that cover ih are
     the ceil(KH / SH) ones up to (ih + PH) // SH: a 3x3 stride-2 pool visits 4, not one per tap (9). With
     dilation, window oh covers ih when ih = oh * SH - PH + kh * DH for a tap kh. The pooling's geometry is
-    constexpr, so the divisions by the stride are shifts or multiplications."""
+    constexpr, so the divisions by the stride are shifts or multiplications. WINDOW: the indices are window
+    codes, which point here when their tap is the one (ih, iw) is in that window; SIGN: relu's gradient comes
+    from the codes' NOT_POSITIVE flag, not from the mask."""
     dependent_launch(PDL)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -128,8 +145,19 @@ def max_pool2d_backward_kernel(g, idx, dx, m, N, C, H, W, OH, OW, s_gn, s_gc, s_
             ok = (row_ok & ok_h & ok_w)[:, None] & ok_c[None, :]
             chosen = tl.load(idx + (n * s_in + oh * s_ih + ow * s_iw)[:, None] + (offs_c * s_ic)[None, :],
                              mask=ok, other=-1)
+            if WINDOW:
+                chosen = chosen.to(tl.int32)
+                if DENSE:
+                    tap = ((ih + PH - oh * SH) * KW + iw + PW - ow * SW)[:, None]
+                else:
+                    tap = (KH - 1 - i) * KW + KW - 1 - j
+                hit = (chosen & (NOT_POSITIVE - 1)) == tap
+                if SIGN:
+                    hit = hit & (chosen < NOT_POSITIVE)
+            else:
+                hit = chosen == here
             gv = tl.load(g + (n * s_gn + oh * s_gh + ow * s_gw)[:, None] + (offs_c * s_gc)[None, :],
-                         mask=ok & (chosen == here), other=0.0)
+                         mask=ok & hit, other=0.0)
             acc += gv.to(tl.float32)
     ok = row_ok[:, None] & ok_c[None, :]
     if MASK:
@@ -254,25 +282,34 @@ def max_pool2d(x: torch.Tensor, kernel, stride, padding, dilation, out: torch.Te
     if out.numel():
         bm, bc, warps = tile or _tile(c, x.stride(1))
         idx = indices if indices is not None else out
+        window = idx.dtype == torch.int8
+        if window and kernel[0] * kernel[1] > WINDOW_NOT_POSITIVE:
+            raise ValueError(f"a {kernel[0]}x{kernel[1]} window has more taps than a window code holds")
         grid = (triton.cdiv(n * oh * ow, bm), triton.cdiv(c, bc))
         max_pool2d_kernel[grid](x, out, idx, n, c, h, w, oh, ow, *x.stride(), *out.stride(), *idx.stride(),
                                 **_geometry(kernel, stride, padding, dilation), WITH_INDICES=indices is not None,
-                                BIG=_big(x, out, idx), BM=bm, BC=bc, num_warps=warps, **pdl_meta(x.device))
+                                WINDOW=window, BIG=_big(x, out, idx), BM=bm, BC=bc, num_warps=warps,
+                                **pdl_meta(x.device))
     return out, indices
 
 
 def max_pool2d_backward(grad_out: torch.Tensor, indices: torch.Tensor, kernel, stride, padding, dilation,
                         grad_input: torch.Tensor, mask: torch.Tensor | None = None, threshold: float = 0.0,
-                        tile: tuple[int, int, int] | None = None):
+                        mask_is_input: bool = False, tile: tuple[int, int, int] | None = None):
+    """mask_is_input: the mask is the pool's input itself (the stem's relu output), so window codes' flag can
+    stand in for it where the threshold is relu's (0)."""
     n, c, h, w = grad_input.shape
     oh, ow = grad_out.shape[2:]
     if grad_input.numel():
         bm, bc, warps = tile or _tile(c, grad_input.stride(1))
-        m = mask if mask is not None else grad_input
+        window = indices.dtype == torch.int8
+        sign = window and mask is not None and mask_is_input and threshold == 0.0
+        m = mask if mask is not None and not sign else grad_input
         grid = (triton.cdiv(n * h * w, bm), triton.cdiv(c, bc))
         max_pool2d_backward_kernel[grid](grad_out, indices, grad_input, m, n, c, h, w, oh, ow, *grad_out.stride(),
                                          *indices.stride(), *grad_input.stride(), *m.stride(), float(threshold),
-                                         **_geometry(kernel, stride, padding, dilation), MASK=mask is not None,
+                                         **_geometry(kernel, stride, padding, dilation),
+                                         MASK=mask is not None and not sign, WINDOW=window, SIGN=sign,
                                          BIG=_big(grad_out, indices, grad_input, m), BM=bm, BC=bc, num_warps=warps,
                                          **pdl_meta(grad_out.device))
     return grad_input

@@ -4,7 +4,8 @@ resfuse::max_pool2d_backward (ops/pooling.py), where the fused ops run on Triton
 Entry point: `max_pool(gm, ctx)`, a pass after the fusions. ATen's channels_last kernels ran at a fraction of the
 memory bandwidth (the stem pool of a ResNet-50 bs256 step: 2.6 ms in ATen). Two things ride along:
   - an inference graph never reads the indices: the forward then does not write them (an int64 tensor as large
-    as the pooled output's four times over, in fp16);
+    as the pooled output's four times over, in fp16); a training forward whose indices only its backward reads
+    writes them as int8 window codes (kernels/max_pool.py), whose flag also stands in for the stem's relu mask;
   - a backward's relu gradient right after the pool's (the stem's relu -> max-pool) is applied as the kernel
     writes grad_input, saving a pass over the largest activation of the net.
   - an inference pool whose input is a fused conv's output, read by nothing else, computes that conv's epilogue
@@ -23,6 +24,7 @@ import torch.fx as fx
 from .. import epilogue as epi
 from ..ops.fused import groups_of
 from . import legality
+from ..kernels import WINDOW_NOT_POSITIVE
 from .group import TARGET, fake_call, signature
 
 aten = torch.ops.aten
@@ -46,7 +48,7 @@ def max_pool(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             continue
         if node.target == FORWARD:
             conv = _conv_epilogue_to_take(node, ctx)
-            why, taken = _forward_with_epilogue(node, conv) if conv is not None else (_forward(node), False)
+            why, taken = _forward_with_epilogue(node, conv) if conv is not None else (_forward(node, ctx), False)
             took += taken
         else:
             why, fused_mask = _backward(node)
@@ -91,22 +93,42 @@ def _same_layout(fake: torch.Tensor, want: torch.Tensor | None) -> bool:
     return want is not None and legality.same_strides(fake, want) and fake.dtype == want.dtype
 
 
-def _forward(node: fx.Node) -> str | None:
+def _forward(node: fx.Node, ctx) -> str | None:
     x, *rest = node.args
     params = _params(rest)
     index_users = [u for u in node.users if u.target is operator.getitem and u.args[1] == 1]
-    with_indices = any(u.users for u in index_users)
-    args = (x, *params, with_indices, "triton")
+    index_dtype = None
+    if any(u.users for u in index_users):
+        codes = params[0][0] * params[0][1] <= WINDOW_NOT_POSITIVE and _saved_for_backward_only(index_users, ctx)
+        index_dtype = torch.int8 if codes else torch.int64
+    args = (x, *params, index_dtype, "triton")
     fake = fake_call(torch.ops.resfuse.max_pool2d.default, args)
     want = node.meta.get("val")
-    if not (_same_layout(fake[0], want[0]) and (not with_indices or _same_layout(fake[1], want[1]))):
+    if not (_same_layout(fake[0], want[0]) and (index_dtype is None or legality.same_strides(fake[1], want[1]))):
         return "max-pool output layout differs from ATen's"
     for u in index_users:
-        if not u.users:
+        if u.users:
+            u.meta["val"] = fake[1]
+        else:
             node.graph.erase_node(u)
     node.target, node.args, node.kwargs = torch.ops.resfuse.max_pool2d.default, args, {}
     node.meta["val"] = fake
     return None
+
+
+def _saved_for_backward_only(index_users: list[fx.Node], ctx) -> bool:
+    """Are the indices read by nothing but the backward (a training forward's outputs past the user's, which
+    aot_autograd saves for the backward: TracingContext's fw_metadata says where the user's end)?"""
+    from torch._guards import TracingContext
+
+    tracing = TracingContext.try_get()
+    meta = tracing.fw_metadata if tracing is not None else None
+    if ctx.graph != "forward" or meta is None:
+        return False
+    output = next(n for n in reversed(index_users[0].graph.nodes) if n.op == "output")
+    outs = list(output.args[0])
+    users_end = meta.num_forward + len(getattr(meta, "tokens", None) or {})
+    return all(set(u.users) == {output} and outs.index(u) >= users_end for u in index_users)
 
 
 def _conv_epilogue_to_take(node: fx.Node, ctx) -> fx.Node | None:
@@ -162,6 +184,9 @@ def _backward(node: fx.Node) -> tuple[str | None, bool]:
     fake = fake_call(torch.ops.resfuse.max_pool2d_backward.default, args)
     last = relu if relu is not None else node
     if not _same_layout(fake, legality.val(last)):
+        # ATen computes it, through our op all the same: its forward may have written window codes
+        node.target, node.kwargs = torch.ops.resfuse.max_pool2d_backward.default, {}
+        node.args = (grad_out, x, indices, *params, None, 0.0, "reference")
         return "max-pool backward layout differs from ATen's", False
     node.target, node.args, node.kwargs = torch.ops.resfuse.max_pool2d_backward.default, args, {}
     node.meta["val"] = fake

@@ -39,6 +39,19 @@ def _input(shape, dtype, layout, values):
     return with_layout(x, layout)
 
 
+def _windows_hold_input(p, out_shape) -> bool:
+    """Does every window hold an input element? (A dilated window over padding may not: ATen's index then
+    points at another pixel or past the plane, where its backward aborts; a window code keeps a tap inside the
+    window instead.)"""
+    shape, kernel, stride, padding, dilation, _ = p
+    for dim in (0, 1):
+        starts = torch.arange(out_shape[2 + dim]) * stride[dim] - padding[dim]
+        taps = starts[:, None] + torch.arange(kernel[dim]) * dilation[dim]
+        if not ((taps >= 0) & (taps < shape[2 + dim])).any(1).all():
+            return False
+    return True
+
+
 def _aten_forward(x, p):
     _, kernel, stride, padding, dilation, ceil_mode = p
     try:
@@ -50,14 +63,19 @@ def _aten_forward(x, p):
 
 @settings(max_examples=60, deadline=None)
 @given(p=problems(), dtype=st.sampled_from(DTYPES), layout=st.sampled_from(["contiguous", "channels_last", "strided"]),
-       values=st.sampled_from(["randn", "ties", "special"]))
-def test_forward_matches_aten_values_and_indices(p, dtype, layout, values):
+       values=st.sampled_from(["randn", "ties", "special"]), codes=st.booleans())
+def test_forward_matches_aten_values_and_indices(p, dtype, layout, values, codes):
+    """ATen's indices, or window codes that decode to them and flag the windows whose maximum is <= 0."""
     x = _input(p[0], dtype, layout, values)
     ref, ref_idx = _aten_forward(x, p)
     out = torch.full_like(ref, float("nan"), dtype=dtype)  # poisoned
-    idx = torch.full_like(ref_idx, -7)
+    idx = torch.full_like(ref_idx, -7, dtype=torch.int8 if codes else torch.int64)
     kernels.max_pool2d(x, *p[1:5], out, idx)
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=0, equal_nan=True)
+    if codes:
+        assume(_windows_hold_input(p, ref.shape))
+        assert torch.equal(idx >= 64, ref <= 0)
+        idx = ops.pooling.aten_indices(idx, x.shape[3], *p[1:5])
     assert torch.equal(idx, ref_idx)
 
 
@@ -73,21 +91,29 @@ def test_forward_without_indices_and_window_of_only_minus_inf():
     assert torch.equal(idx, ref_idx)  # all -inf: the window's first in-bounds element, as ATen on CPU
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(p=problems(), dtype=st.sampled_from(DTYPES), layout=st.sampled_from(["contiguous", "channels_last", "strided"]),
-       values=st.sampled_from(["randn", "ties"]), relu=st.booleans())
-def test_backward_matches_aten(p, dtype, layout, values, relu):
+       values=st.sampled_from(["randn", "ties"]), relu=st.sampled_from([None, "other", "input"]),
+       codes=st.booleans())
+def test_backward_matches_aten(p, dtype, layout, values, relu, codes):
+    """From ATen's indices or from window codes; relu's gradient from a mask of its own ("other"), or from the
+    pool's input (the stem), which window codes answer without reading it."""
     shape, kernel, stride, padding, dilation, ceil_mode = p
     x = _input(shape, dtype, layout, values)
     ref_out, idx = _aten_forward(x, p)
+    assume(_windows_hold_input(p, ref_out.shape))
     g = with_layout(torch.randn(ref_out.shape).to(dtype), layout)
     ref = ATEN.max_pool2d_with_indices_backward(g.double(), x.double(), list(kernel), list(stride), list(padding),
                                                 list(dilation), ceil_mode, idx)
-    mask = with_layout(torch.randn(shape).to(dtype), layout) if relu else None
+    mask, threshold = {None: (None, 0.0), "other": (with_layout(torch.randn(shape).to(dtype), layout), 0.25),
+                       "input": (x, 0.0)}[relu]
     if relu:
-        ref = ATEN.threshold_backward(ref, mask.double(), 0.25)
+        ref = ATEN.threshold_backward(ref, mask.double(), threshold)
+    if codes:
+        idx = torch.full_like(idx, -7, dtype=torch.int8)
+        kernels.max_pool2d(x, kernel, stride, padding, dilation, torch.empty(ref_out.shape, dtype=dtype), idx)
     dx = with_layout(torch.full(shape, float("nan"), dtype=dtype), layout)  # poisoned
-    kernels.max_pool2d_backward(g, idx, kernel, stride, padding, dilation, dx, mask, 0.25)
+    kernels.max_pool2d_backward(g, idx, kernel, stride, padding, dilation, dx, mask, threshold, relu == "input")
     assert_close(dx, ref, dtype)
 
 
@@ -98,17 +124,28 @@ def test_ops_match_aten_layouts_and_run_the_kernels(layout):
     args = ([3, 3], [2, 2], [1, 1], [1, 1], False)
     ref, ref_idx = ATEN.max_pool2d_with_indices(x, *args)
     PATHS.clear()
-    out, idx = ops.max_pool2d(x, *args, True, "triton")
+    out, idx = ops.max_pool2d(x, *args, torch.int64, "triton")
     assert out.stride() == ref.stride() and idx.stride() == ref_idx.stride()
     assert torch.equal(out, ref) and torch.equal(idx, ref_idx)
-    out2, none = ops.max_pool2d(x, *args, False, "triton")
+    out2, none = ops.max_pool2d(x, *args, None, "triton")
     assert torch.equal(out2, ref) and none.numel() == 0
+    out3, codes = ops.max_pool2d(x, *args, torch.int8, "triton")
+    assert torch.equal(out3, ref) and codes.dtype == torch.int8 and codes.stride() == ref_idx.stride()
     g = torch.randn_like(ref)
     want = ATEN.threshold_backward(ATEN.max_pool2d_with_indices_backward(g, x, *args, ref_idx), x, 0.0)
-    dx = ops.max_pool2d_backward(g, x, idx, *args, x, 0.0, "triton")
-    assert dx.stride() == want.stride()
-    torch.testing.assert_close(dx, want)
-    assert PATHS[("max_pool2d", "", "triton")] == 2 and PATHS[("max_pool2d_backward", "", "triton")] == 1
+    for indices, provider in [(idx, "triton"), (codes, "triton"), (codes, "reference")]:
+        dx = ops.max_pool2d_backward(g, x, indices, *args, x.detach(), 0.0, provider)
+        assert dx.stride() == want.stride()
+        torch.testing.assert_close(dx, want)
+    other = torch.randn_like(x)  # a mask that is not the pool's input: the codes' flag cannot stand in for it
+    want = ATEN.threshold_backward(ATEN.max_pool2d_with_indices_backward(g, x, *args, ref_idx), other, 0.0)
+    torch.testing.assert_close(ops.max_pool2d_backward(g, x, codes, *args, other, 0.0, "triton"), want)
+    assert PATHS[("max_pool2d", "", "triton")] == 2 and PATHS[("max_pool2d", "window codes", "triton")] == 1
+    assert PATHS[("max_pool2d_backward", "", "triton")] == 1
+    assert PATHS[("max_pool2d_backward", "window codes", "triton")] == 2
+    assert PATHS[("max_pool2d_backward", "", "reference")] == 1
+    with pytest.raises(ValueError, match="window codes"):
+        ops.max_pool2d(x, *args, torch.int8, "reference")
 
 
 # epilogues monotone within a channel (per-channel operands c0, c1, ...; nc0: per sample and channel), in both

@@ -47,12 +47,62 @@ def test_random_max_pools_match_eager(kernel, stride, dilation, ceil_mode, relu_
     with torch.set_grad_enabled(train):
         out, ref = compiled(xs[0]), twin(xs[1])
     assert torch.equal(out, ref)
-    assert PATHS[("max_pool2d", "", "triton")] == 1
+    assert PATHS[("max_pool2d", "window codes" if train else "", "triton")] == 1
     if train:
         out.square().sum().backward()
         ref.square().sum().backward()
         assert rel(xs[0].grad, xs[1].grad) < 1e-6 and rel(model.scale.grad, twin.scale.grad) < 1e-6
-        assert PATHS[("max_pool2d_backward", "", "triton")] == 1
+        assert PATHS[("max_pool2d_backward", "window codes", "triton")] == 1
+
+
+class PoolAndIndices(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        out, idx = nn.functional.max_pool2d(torch.relu(x * self.scale), 3, 2, 1, return_indices=True)
+        return out * 2, idx
+
+
+def test_training_indices_the_user_reads_stay_atens():
+    """Window codes only where the backward alone reads the indices: returned to the user, they are ATen's."""
+    torch.manual_seed(2)
+    model = PoolAndIndices()
+    twin = copy.deepcopy(model)
+    x = torch.randn(2, 5, 9, 7).contiguous(memory_format=torch.channels_last)
+    torch._dynamo.reset()
+    PATHS.clear()
+    (out, idx), (ref, ref_idx) = resfuse.compile(model, interpret=True)(x), twin(x)
+    assert torch.equal(out, ref) and idx.dtype == torch.int64 and torch.equal(idx, ref_idx)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    assert rel(model.scale.grad, twin.scale.grad) < 1e-6
+    assert PATHS[("max_pool2d", "", "triton")] == 1 and PATHS[("max_pool2d_backward", "", "triton")] == 1
+    assert not any(detail == "window codes" for _, detail, _ in PATHS)
+
+
+def test_a_refused_backward_reads_the_window_codes_on_atens_path(monkeypatch):
+    """A backward the pass refuses (its layout differs from ATen's: forced here) after its forward wrote window
+    codes runs ATen's kernels on indices decoded from them, through our op."""
+    from resfuse.passes import pooling
+
+    shape = (2, 5, 9, 7)
+    same = pooling._same_layout
+    monkeypatch.setattr(pooling, "_same_layout", lambda fake, want: tuple(fake.shape) != shape and same(fake, want))
+    model = Pool(3, 2, 1, 1, False, relu_first=True)
+    twin = copy.deepcopy(model)
+    x = torch.randn(shape)
+    torch._dynamo.reset()
+    PATHS.clear()
+    compiled = resfuse.compile(model, interpret=True)
+    out, ref = compiled(x), twin(x)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    assert torch.equal(out, ref) and rel(model.scale.grad, twin.scale.grad) < 1e-6
+    assert PATHS[("max_pool2d", "window codes", "triton")] == 1
+    assert PATHS[("max_pool2d_backward", "", "reference")] == 1
+    assert "max-pool backward layout differs from ATen's" in reasons(compiled.resfuse_report)
 
 
 def test_unbatched_pool_is_refused_with_a_reason():
