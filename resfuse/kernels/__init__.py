@@ -105,7 +105,7 @@ def batch_norm_train(x, weight, bias, running_mean, running_var, operands, signa
 
 def batch_norm_stats(x, weight, bias, running_mean, running_var, momentum, eps, config=None):
     """Training batch norm's statistics alone -> (save_mean, save_invstd, new_running_mean, new_running_var,
-    scale, shift), the last two fp32 [C]: y would be (x - save_mean) * scale + shift."""
+    scale_shift), the last fp32 [2, C] (scale, shift): y would be (x - save_mean) * scale + shift."""
     from .batch_norm import batch_norm_stats as run
     return run(x, weight, bias, running_mean, running_var, momentum, eps, config)
 

@@ -291,16 +291,17 @@ def batch_norm_train(x: torch.Tensor, weight, bias, running_mean, running_var, o
 def batch_norm_stats(x: torch.Tensor, weight, bias, running_mean, running_var, momentum: float, eps: float,
                      config: BnConfig | None = None):
     """Training batch norm's statistics alone -> (save_mean, save_invstd, new_running_mean, new_running_var,
-    scale, shift): what aten._native_batch_norm_legit_functional returns but y, and the fp32 per-channel scale
-    (invstd * weight) and shift (bias) that y = (x - save_mean) * scale + shift would take. For a batch norm
-    whose output another batch norm's epilogue reads (epilogue.py's normalize op)."""
+    scale_shift): what aten._native_batch_norm_legit_functional returns but y, and fp32 [2, C], the per-channel
+    scale (invstd * weight) and shift (bias) that y = (x - save_mean) * scale + shift would take. For a batch
+    norm whose output another batch norm's epilogue reads (epilogue.py's normalize op). One tensor, not two
+    views of one workspace: an op's outputs may not alias each other."""
     key = plan_key("batch_norm_stats", config, x, weight, bias, running_mean, running_var)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _plan(x, weight, bias, running_mean, running_var, [], None, None, config)
     _, save_mean, save_invstd, ws, rm_out, rv_out = plan.stats(x, weight, bias, running_mean, running_var, momentum,
                                                                eps)
-    return save_mean, save_invstd, rm_out, rv_out, ws[:plan.c], ws[plan.c:2 * plan.c]
+    return save_mean, save_invstd, rm_out, rv_out, ws[:2 * plan.c].view(2, plan.c)
 
 
 def _plan(x, weight, bias, running_mean, running_var, operands, signature, out, config) -> _BnPlan:

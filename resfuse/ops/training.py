@@ -7,8 +7,9 @@ of a residual block, where the add is FuseAddToOutput's. It returns what aten._n
 returns, with the epilogue applied to the first output.
 
 batch_norm_stats is the same batch norm without its output: the statistics, the new running stats, and the fp32
-per-channel scale and shift that another batch norm's epilogue applies to x (normalize(full0, c1, c2, c3) over
-x, save_mean, scale, shift), where passes/shortcut_bn.py folds a residual block's shortcut batch norm in.
+per-channel scale and shift, stacked [2, C], that another batch norm's epilogue applies to x
+(normalize(full0, c1, c2, c3) over x, save_mean, scale, shift), where passes/shortcut_bn.py folds a residual
+block's shortcut batch norm in.
 
 conv2d_dgrad is the data gradient of a conv2d with an epilogue, e.g. threshold_bwd(add(acc, full0), full1):
 the skip-gradient add absorbed (FuseAddToOutput in backward), then relu's gradient. The weight gradient
@@ -94,19 +95,18 @@ def _(x, weight, bias, running_mean, running_var, operands, epilogue, momentum, 
 
 def batch_norm_stats_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                           running_mean: torch.Tensor, running_var: torch.Tensor, momentum: float, eps: float,
-                          provider: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                  torch.Tensor, torch.Tensor]:
+                          provider: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if _use_triton(x.device, provider):
         from .. import kernels
 
         _record("batch_norm_stats", "", "triton")
-        mean, invstd, rm, rv, scale, shift = kernels.batch_norm_stats(x, weight, bias, running_mean, running_var,
-                                                                      momentum, eps)
-        return (*_as_aten_dtypes(x, running_mean, (mean, invstd, rm, rv)), scale, shift)
+        mean, invstd, rm, rv, scale_shift = kernels.batch_norm_stats(x, weight, bias, running_mean, running_var,
+                                                                     momentum, eps)
+        return (*_as_aten_dtypes(x, running_mean, (mean, invstd, rm, rv)), scale_shift)
     _record("batch_norm_stats", "", "reference")
     _, mean, invstd, rm, rv = aten._native_batch_norm_legit_functional(x, weight, bias, running_mean, running_var,
                                                                         True, momentum, eps)
-    return (mean, invstd, rm, rv, *_scale_shift(invstd, weight, bias))
+    return mean, invstd, rm, rv, torch.stack(_scale_shift(invstd, weight, bias))
 
 
 batch_norm_stats = library.Op("batch_norm_stats", batch_norm_stats_impl)
@@ -123,8 +123,7 @@ def _scale_shift(invstd, weight, bias) -> tuple[torch.Tensor, torch.Tensor]:
 def _(x, weight, bias, running_mean, running_var, momentum, eps, provider):
     _, mean, invstd, rm, rv = aten._native_batch_norm_legit_functional(x, weight, bias, running_mean, running_var,
                                                                         True, momentum, eps)
-    scale = torch.empty(x.shape[1], dtype=torch.float32, device=x.device)
-    return mean, invstd, rm, rv, scale, torch.empty_like(scale)
+    return mean, invstd, rm, rv, torch.empty(2, x.shape[1], dtype=torch.float32, device=x.device)
 
 
 def dgrad_out(grad_out: torch.Tensor, weight: torch.Tensor, input_shape) -> Output:

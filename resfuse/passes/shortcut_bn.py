@@ -26,6 +26,7 @@ from . import legality
 from .group import BN_TRAIN, fake_call, first_output_of, signature
 
 FUSED_BN = torch.ops.resfuse.batch_norm.default
+aten = torch.ops.aten
 STATS = torch.ops.resfuse.batch_norm_stats.default
 
 
@@ -77,9 +78,10 @@ def _fold(main: fx.Node, tree: epi.Node, leaf: epi.Operand, origin: fx.Node) -> 
     with graph.inserting_before(origin):
         stats = graph.call_function(STATS, args)
     stats.meta["val"] = fake_call(STATS, args)
-    with graph.inserting_after(stats):
-        items = [graph.call_function(operator.getitem, (stats, i)) for i in reversed(range(6))][::-1]
-    for item, v in zip(items, stats.meta["val"]):
+    with graph.inserting_before(stats.next):
+        items = [graph.call_function(operator.getitem, (stats, i)) for i in range(5)]
+        items += [graph.call_function(aten.select.int, (items[4], 0, i)) for i in range(2)]  # scale, shift
+    for item, v in zip(items, [*stats.meta["val"], *stats.meta["val"][4]]):
         item.meta["val"] = v
     y = main.args[5][leaf.slot]
     for old in list(origin.users):  # (y, mean, invstd, running mean, running var): all but y from the stats op
@@ -88,7 +90,7 @@ def _fold(main: fx.Node, tree: epi.Node, leaf: epi.Operand, origin: fx.Node) -> 
     operands = list(main.args[5])
     operands[leaf.slot] = x
     extra = [epi.Operand(len(operands) + i, "c") for i in range(3)]
-    operands += [items[0], items[4], items[5]]  # save_mean, scale, shift
+    operands += [items[0], items[5], items[6]]  # save_mean, scale, shift
     new = _substitute(tree, leaf, epi.Op("normalize", (leaf, *extra)))
     main.update_arg(5, operands)
     main.update_arg(6, str(new))

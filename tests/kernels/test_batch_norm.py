@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from resfuse import epilogue as epi
-from resfuse import kernels
+from resfuse import kernels, ops
 from resfuse.kernels import batch_norm
 from resfuse.kernels.batch_norm import BnConfig
 
@@ -103,7 +103,7 @@ def test_statistics_alone_then_a_folded_shortcut(shape, dtype, layout, affine, r
     another batch norm's epilogue normalizes x: relu(bn(main) + normalize(x)) equals the two batch norms in
     float64 (passes/shortcut_bn.py's fold)."""
     x, w, b, rm, rv = _inputs(shape, dtype, layout, affine, running)
-    mean, invstd, rm_new, rv_new, scale, shift = kernels.batch_norm_stats(x, w, b, rm, rv, 0.1, 1e-5, config)
+    mean, invstd, rm_new, rv_new, (scale, shift) = kernels.batch_norm_stats(x, w, b, rm, rv, 0.1, 1e-5, config)
     y64, mean64, invstd64, rm64, rv64 = _aten64(x, w, b, rm, rv, 0.1, 1e-5)
     assert scale.dtype == shift.dtype == torch.float32 and scale.shape == shift.shape == (shape[1],)
     _check((torch.empty_like(x).copy_(y64), mean, invstd, rm_new, rv_new), x, w, b, rm, rv, epi.ACC, [])  # y: aten's
@@ -114,6 +114,15 @@ def test_statistics_alone_then_a_folded_shortcut(shape, dtype, layout, affine, r
     y = _run(main, mw, mb, mrm, mrv, [x, mean, scale, shift], str(tree), use_out=True, config=config)[0]
     want = torch.relu(_aten64(main, mw, mb, mrm, mrv, 0.1, 1e-5)[0] + y64)
     assert_close(epi.rows3(y, y.shape, 1), epi.rows3(want, want.shape, 1), dtype)
+
+
+@pytest.mark.parametrize("provider", ["triton", "reference"])
+def test_statistics_op_outputs_alias_nothing(provider):
+    """A custom op's outputs may alias no input and no other output: torch checks it on a compiled graph's first
+    call through the dispatcher (an error under its CI setting, a deprecation warning elsewhere)."""
+    x, w, b, rm, rv = _inputs((4, 6, 3, 3), torch.float32, "channels_last", True, True)
+    out = ops.batch_norm_stats(x, w, b, rm, rv, 0.1, 1e-5, provider)
+    torch._library.utils._c_check_aliasing_constraint("batch_norm_stats", (x, w, b, rm, rv), {}, out)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
