@@ -87,6 +87,27 @@ def one_batch(batch: int, dtype: torch.dtype) -> list[dict]:
         aten.max_pool2d_with_indices_backward(g, x, *ARGS, idx), x, 0), o_b + i_b + 2 * x_b)
     row("backward + drelu: torch.compile (recomputes the indices)", lambda: bwd_c(x, g), o_b + 2 * x_b)
     if SWEEP:
+        c_b = codes.numel()
+        row("backward, no drelu: ours", lambda: kernels.max_pool2d_backward(g, idx, *ARGS[:4], dx), o_b + i_b + x_b)
+        row("backward, no drelu, window codes: ours", lambda: kernels.max_pool2d_backward(g, codes, *ARGS[:4], dx),
+            o_b + c_b + x_b)
+        row("backward + drelu from the mask, window codes: ours",
+            lambda: kernels.max_pool2d_backward(g, codes, *ARGS[:4], dx, x, 0.0), o_b + c_b + 2 * x_b)
+        unflagged = codes & 63
+        row("backward + drelu, window codes, no flags set: ours",
+            lambda: kernels.max_pool2d_backward(g, unflagged, *ARGS[:4], dx, x, 0.0, True), o_b + c_b + x_b)
+        row("backward + drelu, window codes (again): ours",
+            lambda: kernels.max_pool2d_backward(g, codes, *ARGS[:4], dx, x, 0.0, True), o_b + c_b + x_b)
+        row("backward, no drelu, window codes (again): ours", lambda: kernels.max_pool2d_backward(g, codes, *ARGS[:4], dx),
+            o_b + c_b + x_b)
+        codes16 = codes.to(torch.int16)
+        row("forward + int16 window codes: ours", lambda: kernels.max_pool2d(x, *ARGS[:4], ours_out, codes16),
+            x_b + o_b + 2 * c_b)
+        row("backward + drelu, int16 window codes: ours",
+            lambda: kernels.max_pool2d_backward(g, codes16, *ARGS[:4], dx, x, 0.0, True), o_b + 2 * c_b + x_b)
+        for tile in [(bm, bc, w) for bc in (32, 64) for bm in (16, 32, 64, 128) for w in (2, 4, 8)]:
+            row(f"sweep bwd codes {tile}", lambda: max_pool.max_pool2d_backward(g, codes, *ARGS[:4], dx, x, 0.0, True,
+                                                                                tile=tile), o_b + c_b + x_b)
         for tile in [(bm, bc, w) for bc in (32, 64) for bm in (16, 32, 64, 128) for w in (2, 4, 8)]:
             row(f"sweep fwd+idx {tile}", lambda: max_pool.max_pool2d(x, *ARGS[:4], ours_out, ours_idx, tile=tile),
                 x_b + o_b + i_b)

@@ -151,9 +151,10 @@ def max_pool2d_backward_kernel(g, idx, dx, m, N, C, H, W, OH, OW, s_gn, s_gc, s_
                     tap = ((ih + PH - oh * SH) * KW + iw + PW - ow * SW)[:, None]
                 else:
                     tap = (KH - 1 - i) * KW + KW - 1 - j
-                hit = (chosen & (NOT_POSITIVE - 1)) == tap
-                if SIGN:
-                    hit = hit & (chosen < NOT_POSITIVE)
+                if SIGN:  # a flagged code equals no tap: relu's gradient is 0 there
+                    hit = chosen == tap
+                else:
+                    hit = (chosen & (NOT_POSITIVE - 1)) == tap
             else:
                 hit = chosen == here
             gv = tl.load(g + (n * s_gn + oh * s_gh + ow * s_gw)[:, None] + (offs_c * s_gc)[None, :],
@@ -282,7 +283,7 @@ def max_pool2d(x: torch.Tensor, kernel, stride, padding, dilation, out: torch.Te
     if out.numel():
         bm, bc, warps = tile or _tile(c, x.stride(1))
         idx = indices if indices is not None else out
-        window = idx.dtype == torch.int8
+        window = idx.dtype != torch.int64
         if window and kernel[0] * kernel[1] > WINDOW_NOT_POSITIVE:
             raise ValueError(f"a {kernel[0]}x{kernel[1]} window has more taps than a window code holds")
         grid = (triton.cdiv(n * oh * ow, bm), triton.cdiv(c, bc))
@@ -302,7 +303,7 @@ def max_pool2d_backward(grad_out: torch.Tensor, indices: torch.Tensor, kernel, s
     oh, ow = grad_out.shape[2:]
     if grad_input.numel():
         bm, bc, warps = tile or _tile(c, grad_input.stride(1))
-        window = indices.dtype == torch.int8
+        window = indices.dtype != torch.int64
         sign = window and mask is not None and mask_is_input and threshold == 0.0
         m = mask if mask is not None and not sign else grad_input
         grid = (triton.cdiv(n * h * w, bm), triton.cdiv(c, bc))
