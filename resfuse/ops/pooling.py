@@ -44,11 +44,11 @@ def _layout_of(x, kernel, stride, padding, dilation, ceil_mode) -> tuple:
 def max_pool2d_impl(x: torch.Tensor, kernel: Sequence[int], stride: Sequence[int], padding: Sequence[int],
                     dilation: Sequence[int], ceil_mode: bool, index_dtype: Optional[torch.dtype],
                     provider: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """index_dtype: None (no indices: an empty tensor), torch.int64 (ATen's) or torch.int8 (window codes)."""
+    """index_dtype: None (no indices: an empty tensor), torch.int64 (ATen's), or int8 / int16 (window codes)."""
     if _use_triton(x.device, provider):
         from .. import kernels
 
-        _record("max_pool2d", "window codes" if index_dtype == torch.int8 else "", "triton")
+        _record("max_pool2d", "window codes" if index_dtype not in (None, torch.int64) else "", "triton")
         shape, strides, idx_strides, _ = _layout_of(x, kernel, stride, padding, dilation, ceil_mode)
         out = torch.empty_strided(shape, strides, dtype=x.dtype, device=x.device)
         idx = (torch.empty_strided(shape, idx_strides, dtype=index_dtype, device=x.device) if index_dtype
@@ -102,13 +102,13 @@ def max_pool2d_backward_impl(grad_out: torch.Tensor, x: torch.Tensor, indices: t
     if _use_triton(x.device, provider):
         from .. import kernels
 
-        _record("max_pool2d_backward", "window codes" if indices.dtype == torch.int8 else "", "triton")
+        _record("max_pool2d_backward", "window codes" if indices.dtype != torch.int64 else "", "triton")
         dx_strides = _layout_of(x, kernel, stride, padding, dilation, ceil_mode)[3]
         dx = torch.empty_strided(x.shape, dx_strides, dtype=grad_out.dtype, device=x.device)
         return kernels.max_pool2d_backward(grad_out, indices, kernel, stride, padding, dilation, dx, mask, threshold,
                                            mask is not None and _same_view(mask, x))
     _record("max_pool2d_backward", "", "reference")
-    if indices.dtype == torch.int8:
+    if indices.dtype != torch.int64:
         indices = aten_indices(indices, x.shape[3], kernel, stride, padding, dilation)
     dx = aten.max_pool2d_with_indices_backward(grad_out, x, list(kernel), list(stride), list(padding), list(dilation),
                                                ceil_mode, indices)

@@ -63,13 +63,14 @@ def _aten_forward(x, p):
 
 @settings(max_examples=60, deadline=None)
 @given(p=problems(), dtype=st.sampled_from(DTYPES), layout=st.sampled_from(["contiguous", "channels_last", "strided"]),
-       values=st.sampled_from(["randn", "ties", "special"]), codes=st.booleans())
+       values=st.sampled_from(["randn", "ties", "special"]), codes=st.sampled_from([None, torch.int8, torch.int16]))
 def test_forward_matches_aten_values_and_indices(p, dtype, layout, values, codes):
-    """ATen's indices, or window codes that decode to them and flag the windows whose maximum is <= 0."""
+    """ATen's indices, or window codes (int8, int16) that decode to them and flag the windows whose maximum is
+    <= 0."""
     x = _input(p[0], dtype, layout, values)
     ref, ref_idx = _aten_forward(x, p)
     out = torch.full_like(ref, float("nan"), dtype=dtype)  # poisoned
-    idx = torch.full_like(ref_idx, -7, dtype=torch.int8 if codes else torch.int64)
+    idx = torch.full_like(ref_idx, -7, dtype=codes or torch.int64)
     kernels.max_pool2d(x, *p[1:5], out, idx)
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=0, equal_nan=True)
     if codes:
@@ -94,7 +95,7 @@ def test_forward_without_indices_and_window_of_only_minus_inf():
 @settings(max_examples=80, deadline=None)
 @given(p=problems(), dtype=st.sampled_from(DTYPES), layout=st.sampled_from(["contiguous", "channels_last", "strided"]),
        values=st.sampled_from(["randn", "ties"]), relu=st.sampled_from([None, "other", "input"]),
-       codes=st.booleans())
+       codes=st.sampled_from([None, torch.int8, torch.int16]))
 def test_backward_matches_aten(p, dtype, layout, values, relu, codes):
     """From ATen's indices or from window codes; relu's gradient from a mask of its own ("other"), or from the
     pool's input (the stem), which window codes answer without reading it."""
@@ -110,7 +111,7 @@ def test_backward_matches_aten(p, dtype, layout, values, relu, codes):
     if relu:
         ref = ATEN.threshold_backward(ref, mask.double(), threshold)
     if codes:
-        idx = torch.full_like(idx, -7, dtype=torch.int8)
+        idx = torch.full_like(idx, -7, dtype=codes)
         kernels.max_pool2d(x, kernel, stride, padding, dilation, torch.empty(ref_out.shape, dtype=dtype), idx)
     dx = with_layout(torch.full(shape, float("nan"), dtype=dtype), layout)  # poisoned
     kernels.max_pool2d_backward(g, idx, kernel, stride, padding, dilation, dx, mask, threshold, relu == "input")
