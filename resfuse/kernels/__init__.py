@@ -122,8 +122,8 @@ def batch_norm_backward(grad_out, x, weight, save_mean, save_invstd, output_mask
 
 
 def max_pool2d(x, kernel, stride, padding, dilation, out, indices=None):
-    """Max pooling -> (out, indices); indices are written only when given: int64 as ATen's, int8 as window codes
-    (max_pool.py)."""
+    """Max pooling -> (out, indices); indices are written only when given: int64 as ATen's, int8 or int16 as
+    window codes (max_pool.py)."""
     from .max_pool import max_pool2d as run
     return run(x, kernel, stride, padding, dilation, out, indices)
 

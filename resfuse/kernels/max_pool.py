@@ -38,6 +38,7 @@ from .tiles import dependent_launch
 
 NOT_POSITIVE = tl.constexpr(WINDOW_NOT_POSITIVE)
 
+
 @triton.jit
 def _rows(offs, A, B, BIG: tl.constexpr):
     """Split flat row numbers into (n, a, b) for an [N, A, B] grid of pixels. Index math is int32 (int64
