@@ -101,7 +101,7 @@ def track_progress(gm: fx.GraphModule) -> fx.GraphModule:
     the end of its first call every fused op has chosen its implementation."""
     if fused := fused_ops(gm):
         PROGRESS.expect(fused)
-        with gm.graph.inserting_before(next(n for n in gm.graph.nodes if n.op == "output")):
+        with gm.graph.inserting_before(gm.graph.output_node()):
             gm.graph.call_function(PROGRESS.graph_ran, ())
         gm.recompile()
     return gm

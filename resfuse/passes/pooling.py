@@ -125,7 +125,7 @@ def _saved_for_backward_only(index_users: list[fx.Node], ctx) -> bool:
     meta = tracing.fw_metadata if tracing is not None else None
     if ctx.graph != "forward" or meta is None:
         return False
-    output = next(n for n in reversed(index_users[0].graph.nodes) if n.op == "output")
+    output = index_users[0].graph.output_node()
     outs = list(output.args[0])
     users_end = meta.num_forward + len(getattr(meta, "tokens", None) or {})
     return all(set(u.users) == {output} and outs.index(u) >= users_end for u in index_users)
