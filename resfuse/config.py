@@ -33,6 +33,10 @@ class Config:
     bn_backward_dual: bool = True
     ("Where two batch-norm backwards on resfuse's kernel share grad_out (a downsampling block's main and shortcut "
      "batch norms), run them as one (with batch_norm_backward), whose passes read grad_out once for both.")
+    conv_stats: bool = True
+    ("In training, compute a batch norm's statistics (per-channel sum and sum of squares) in the epilogue of the "
+     "conv that produces its input, with cuDNN's conv + genstats graph (nvidia-cudnn-frontend), instead of in a "
+     "pass of its own over the conv's output; where the batch norm runs on resfuse's kernel.")
     max_pool: bool = True
     ("Run max-pool and its backward on resfuse's Triton kernels instead of ATen's, where the fused ops run on "
      "Triton; a relu gradient right after the pool's is applied on the way out, and an inference pool computes "

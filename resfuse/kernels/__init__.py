@@ -97,17 +97,19 @@ def gemm(a, b, operands, signature, out, config=None, aux=None):
 
 
 def batch_norm_train(x, weight, bias, running_mean, running_var, operands, signature, momentum, eps, out=None,
-                     config=None):
-    """Training batch norm + epilogue -> (y, save_mean, save_invstd, new_running_mean, new_running_var)."""
+                     config=None, sums=None):
+    """Training batch norm + epilogue -> (y, save_mean, save_invstd, new_running_mean, new_running_var). sums: fp32
+    [2, C], sum(x) and sum(x * x) per channel where the conv producing x computed them (no statistics pass)."""
     from .batch_norm import batch_norm_train as run
-    return run(x, weight, bias, running_mean, running_var, operands, signature, momentum, eps, out, config)
+    return run(x, weight, bias, running_mean, running_var, operands, signature, momentum, eps, out, config, sums)
 
 
-def batch_norm_stats(x, weight, bias, running_mean, running_var, momentum, eps, config=None):
+def batch_norm_stats(x, weight, bias, running_mean, running_var, momentum, eps, config=None, sums=None):
     """Training batch norm's statistics alone -> (save_mean, save_invstd, new_running_mean, new_running_var,
-    scale_shift), the last fp32 [2, C] (scale, shift): y would be (x - save_mean) * scale + shift."""
+    scale_shift), the last fp32 [2, C] (scale, shift): y would be (x - save_mean) * scale + shift. sums: as
+    batch_norm_train's."""
     from .batch_norm import batch_norm_stats as run
-    return run(x, weight, bias, running_mean, running_var, momentum, eps, config)
+    return run(x, weight, bias, running_mean, running_var, momentum, eps, config, sums)
 
 
 def batch_norm_backward(grad_out, x, weight, save_mean, save_invstd, output_mask, grad_input=None, config=None,

@@ -2,7 +2,7 @@
 ResNet bottleneck, and OneFlow's "normalization" producer with add-to-output).
 
 Entry points: `batch_norm_train(x, weight, bias, running_mean, running_var, operands, signature, momentum, eps,
-out=None, config=None) -> (y, save_mean, save_invstd, new_running_mean, new_running_var)`, and
+out=None, config=None, sums=None) -> (y, save_mean, save_invstd, new_running_mean, new_running_var)`, and
 `batch_norm_stats(...)`, passes 1 and 2 alone (a shortcut's batch norm that another's epilogue applies), reached
 through resfuse.kernels. It computes what aten._native_batch_norm_legit_functional(x, weight, bias, running_mean,
 running_var, True, momentum, eps) does, then the epilogue tree `signature` with `acc` = the affine output in
@@ -17,6 +17,9 @@ channels_last, [N, C]. Three passes over memory, one kernel each:
      M2 = sum M2_i + sum n_i (mean_i - mean)^2, in fixed order, so results are bit-identical run to run (no
      atomics); writes save_mean, save_invstd, the new running stats and the per-channel scale and shift.
   3. the generated kernel (codegen.py, family "batch_norm"): acc = (x - mean) * scale + shift, the epilogue, y.
+Given `sums` (fp32 [2, C]: sum(x), sum(x * x) per channel, which cuDNN's conv computed in its epilogue,
+ops/conv_stats.py), passes 1 and 2 are one small kernel, `bn_finalize_sums_kernel`: the mean and M2 from the
+sums, and only for channels where M2 = sum(x^2) - sum(x)^2 / n cancelled too many bits, one exact pass over x.
 
 Return conventions: y has x's dtype, shape and strides (`out` if given, else torch.empty_like(x), made contiguous
 where x's strides are no [S, P, C] view, e.g. H and W swapped; such an x is read through a copy); save_mean and
@@ -133,15 +136,62 @@ def bn_finalize_kernel(ws, save_mean, save_invstd, w, b, rm, rv, rm_out, rv_out,
         at = part + r[:, None] * C + offs_c[None, :]
         dev = tl.load(at, mask=ok, other=0.0) - pivot[None, :] - shift_mean[None, :]
         acc += tl.where(ok, tl.load(at + SPLITS * C, mask=ok, other=0.0) + n_r[:, None] * dev * dev, 0.0)
-    m2 = sum_rows(acc)
-    mean = pivot + shift_mean
+    _finish_stats(pivot + shift_mean, sum_rows(acc), offs_c, ok_c, ws, save_mean, save_invstd, w, b, rm, rv, rm_out,
+                  rv_out, M, C, momentum, eps, HAS_W, HAS_B, HAS_RUNNING)
+
+
+RECOMPUTE_BITS: tl.constexpr = 6  # sum(x^2) / M2 past 64 (mean^2 > 63 variances): fp32 sums keep too few bits
+
+
+@triton.jit
+def bn_finalize_sums_kernel(sums, x, ws, save_mean, save_invstd, w, b, rm, rv, rm_out, rv_out,
+                            M, C, RPS, s_xs, s_xp, s_xc, momentum, eps,
+                            BP: tl.constexpr, BC: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                            HAS_RUNNING: tl.constexpr, PDL: tl.constexpr):
+    """bn_finalize_kernel from given per-channel fp32 sums[0:C] = sum(x), sums[C:2C] = sum(x^2) (a conv's epilogue
+    computed them) instead of the partials pass. M2 = sum(x^2) - sum(x)^2 / M cancels where the mean is large
+    against the spread: where it lost more than RECOMPUTE_BITS bits, this program walks its channels' rows once,
+    summing d and d^2 with d = x - the sums' mean, as bn_partials_kernel does. Exact where it must be, free where
+    it need not."""
+    dependent_launch(PDL)
+    offs_c = tl.program_id(0) * BC + tl.arange(0, BC)
+    ok_c = offs_c < C
+    s1 = tl.load(sums + offs_c, mask=ok_c, other=0.0)
+    s2 = tl.load(sums + C + offs_c, mask=ok_c, other=0.0)
+    mean = s1 / M
+    m2 = s2 - s1 * mean
+    m2 = tl.where(m2 < 0.0, 0.0, m2)  # not tl.maximum: a NaN must stay NaN
+    lost = ok_c & (m2 * (1 << RECOMPUTE_BITS) < s2)
+    if tl.sum(lost.to(tl.int32), axis=0) > 0:
+        cols = offs_c * s_xc
+        d1 = tl.full([BP, BC], 0.0, dtype=tl.float32)
+        d2 = tl.full([BP, BC], 0.0, dtype=tl.float32)
+        for r0 in range(0, M, BP):
+            rows = r0 + tl.arange(0, BP)
+            ok = (rows < M)[:, None] & lost[None, :]
+            v = tl.load(x + _row_offsets(rows, RPS, s_xs, s_xp)[:, None] + cols[None, :], mask=ok, other=0.0)
+            d = tl.where(ok, v.to(tl.float32) - mean[None, :], 0.0)
+            d1 += d
+            d2 += d * d
+        e1, e2 = sum_rows(d1), sum_rows(d2)
+        m2 = tl.where(lost, tl.maximum(e2 - e1 * (e1 / M), 0.0), m2)  # (lost: finite)
+        mean = tl.where(lost, mean + e1 / M, mean)
+    _finish_stats(mean, m2, offs_c, ok_c, ws, save_mean, save_invstd, w, b, rm, rv, rm_out, rv_out, M, C, momentum,
+                  eps, HAS_W, HAS_B, HAS_RUNNING)
+
+
+@triton.jit
+def _finish_stats(mean, m2, offs_c, ok_c, ws, save_mean, save_invstd, w, b, rm, rv, rm_out, rv_out, M, C, momentum,
+                  eps, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RUNNING: tl.constexpr):
+    """From a channel block's mean and M2: save_mean, save_invstd, ws[0:C] = scale, ws[C:2C] = shift, and the
+    new running stats."""
     invstd = tl.div_rn(1.0, tl.sqrt_rn(m2 / M + eps))
     tl.store(save_mean + offs_c, mean, mask=ok_c)
     tl.store(save_invstd + offs_c, invstd, mask=ok_c)
     scale = invstd
     if HAS_W:
         scale = scale * tl.load(w + offs_c, mask=ok_c, other=0.0).to(tl.float32)
-    shift = tl.full([BC], 0.0, dtype=tl.float32)
+    shift = tl.zeros_like(invstd)
     if HAS_B:
         shift = tl.load(b + offs_c, mask=ok_c, other=0.0).to(tl.float32)
     tl.store(ws + offs_c, scale, mask=ok_c)
@@ -243,35 +293,39 @@ class _BnPlan:
     apply: Plan | None  # None: the statistics alone (batch_norm_stats)
     pdl: dict  # plan.pdl_meta's options for the statistics kernels
 
-    def run(self, x, weight, bias, running_mean, running_var, operands, signature, momentum, eps, out):
+    def run(self, x, weight, bias, running_mean, running_var, operands, signature, momentum, eps, out, sums=None):
         y = out if out is not None else torch.empty_like(x, memory_format=self.y_format)
         x, save_mean, save_invstd, ws, rm_out, rv_out = self.stats(x, weight, bias, running_mean, running_var,
-                                                                   momentum, eps)
+                                                                   momentum, eps, sums)
         self.apply.launch((x, save_mean, ws), y, operands, signature, y.shape, 1)
         return y, save_mean, save_invstd, rm_out, rv_out
 
-    def stats(self, x, weight, bias, running_mean, running_var, momentum, eps):
-        """Passes 1 and 2: (x as the apply pass reads it, save_mean, save_invstd, ws (scale, shift first),
-        new running mean, new running var)."""
+    def stats(self, x, weight, bias, running_mean, running_var, momentum, eps, sums=None):
+        """Passes 1 and 2, or the second alone from the given sums: (x as the apply pass reads it, save_mean,
+        save_invstd, ws (scale, shift first), new running mean, new running var)."""
         if self.copy_x:
             x = x.contiguous()
         f32 = {"dtype": torch.float32, "device": x.device}
         save_mean, save_invstd = torch.empty(self.c, **f32), torch.empty(self.c, **f32)
         # the statistics' scratch comes from the caching allocator per call (stream-ordered reuse): a buffer kept
         # across calls would be allocated inside a CUDA graph's private pool and outlive it
-        ws = torch.empty(2 * self.c * (1 + self.splits), **f32)
+        ws = torch.empty(2 * self.c * (1 + (self.splits if sums is None else 0)), **f32)
         rm_out = torch.empty_like(running_mean) if self.has_running else None
         rv_out = torch.empty_like(running_var) if self.has_running else None
         cfg = self.cfg
+        params = [t if t is not None else ws for t in (weight, bias, running_mean, running_var, rm_out, rv_out)]
+        flags = {"HAS_W": self.has_w, "HAS_B": self.has_b, "HAS_RUNNING": self.has_running, **self.pdl}
+        if sums is not None:
+            bn_finalize_sums_kernel[(triton.cdiv(self.c, cfg.block_c),)](
+                sums, x, ws, save_mean, save_invstd, *params, self.m, self.c, self.rps, *self.x_strides,
+                float(momentum), float(eps), BP=cfg.block_p, BC=cfg.block_c, num_warps=cfg.num_warps, **flags)
+            return x, save_mean, save_invstd, ws, rm_out, rv_out
         bn_partials_kernel[(self.splits, triton.cdiv(self.c, cfg.block_c))](
             x, ws, self.m, self.c, self.rps, *self.x_strides, self.tiles_per_split, self.splits,
             BP=cfg.block_p, BC=cfg.block_c, num_warps=cfg.num_warps, **self.pdl)
         bn_finalize_kernel[(triton.cdiv(self.c, self.finalize_c),)](
-            ws, save_mean, save_invstd, *(t if t is not None else ws for t in (weight, bias, running_mean,
-                                                                                 running_var, rm_out, rv_out)),
-            self.m, self.c, self.splits, self.tiles_per_split * cfg.block_p, float(momentum), float(eps),
-            BC=self.finalize_c, BR=cfg.block_r, HAS_W=self.has_w, HAS_B=self.has_b, HAS_RUNNING=self.has_running,
-            **self.pdl)
+            ws, save_mean, save_invstd, *params, self.m, self.c, self.splits, self.tiles_per_split * cfg.block_p,
+            float(momentum), float(eps), BC=self.finalize_c, BR=cfg.block_r, **flags)
         return x, save_mean, save_invstd, ws, rm_out, rv_out
 
 
@@ -279,17 +333,26 @@ _PLANS: dict = {}
 
 
 def batch_norm_train(x: torch.Tensor, weight, bias, running_mean, running_var, operands, signature: str,
-                     momentum: float, eps: float, out: torch.Tensor | None = None, config: BnConfig | None = None):
-    """Training batch norm + epilogue; see the module docstring for the return conventions."""
+                     momentum: float, eps: float, out: torch.Tensor | None = None, config: BnConfig | None = None,
+                     sums: torch.Tensor | None = None):
+    """Training batch norm + epilogue; see the module docstring for the return conventions and `sums`."""
     key = plan_key("batch_norm", signature, config, x, weight, bias, running_mean, running_var, out, *operands)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _plan(x, weight, bias, running_mean, running_var, operands, signature, out, config)
-    return plan.run(x, weight, bias, running_mean, running_var, operands, signature, momentum, eps, out)
+    _check_sums(sums, x)
+    return plan.run(x, weight, bias, running_mean, running_var, operands, signature, momentum, eps, out, sums)
+
+
+def _check_sums(sums: torch.Tensor | None, x: torch.Tensor) -> None:
+    if sums is not None and (sums.shape != (2, x.shape[1]) or sums.dtype != torch.float32
+                             or sums.device != x.device or not sums.is_contiguous()):
+        raise ValueError(f"sums must be a contiguous fp32 [2, {x.shape[1]}] tensor on {x.device}, got "
+                         f"{sums.dtype} {tuple(sums.shape)} on {sums.device}")
 
 
 def batch_norm_stats(x: torch.Tensor, weight, bias, running_mean, running_var, momentum: float, eps: float,
-                     config: BnConfig | None = None):
+                     config: BnConfig | None = None, sums: torch.Tensor | None = None):
     """Training batch norm's statistics alone -> (save_mean, save_invstd, new_running_mean, new_running_var,
     scale_shift): what aten._native_batch_norm_legit_functional returns but y, and fp32 [2, C], the per-channel
     scale (invstd * weight) and shift (bias) that y = (x - save_mean) * scale + shift would take. For a batch
@@ -299,8 +362,9 @@ def batch_norm_stats(x: torch.Tensor, weight, bias, running_mean, running_var, m
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _plan(x, weight, bias, running_mean, running_var, [], None, None, config)
+    _check_sums(sums, x)
     _, save_mean, save_invstd, ws, rm_out, rv_out = plan.stats(x, weight, bias, running_mean, running_var, momentum,
-                                                               eps)
+                                                               eps, sums)
     return save_mean, save_invstd, rm_out, rv_out, ws[:2 * plan.c].view(2, plan.c)
 
 

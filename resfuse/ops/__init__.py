@@ -16,10 +16,11 @@ from .pooling import (max_pool2d, max_pool2d_backward, max_pool2d_backward_impl,
                       max_pool2d_epilogue_impl, max_pool2d_impl)
 from .training import (batch_norm, batch_norm_backward, batch_norm_backward_dual, batch_norm_backward_dual_impl,
                        batch_norm_backward_impl, batch_norm_impl, batch_norm_stats, batch_norm_stats_impl,
-                       conv2d_dgrad, conv2d_dgrad_impl, conv2d_dgrad_stats, conv2d_dgrad_stats_impl)
+                       conv2d_dgrad, conv2d_dgrad_impl, conv2d_dgrad_stats, conv2d_dgrad_stats_impl, conv2d_stats,
+                       conv2d_stats_impl)
 
 __all__ = ["PATHS", "conv2d", "conv2d_aux", "gemm", "gemm_aux", "conv_out_format", "batch_norm", "batch_norm_stats",
-           "conv2d_dgrad", "conv2d_dgrad_stats", "batch_norm_backward", "batch_norm_backward_dual", "max_pool2d",
+           "conv2d_stats", "conv2d_dgrad", "conv2d_dgrad_stats", "batch_norm_backward", "batch_norm_backward_dual", "max_pool2d",
            "max_pool2d_epilogue", "max_pool2d_backward", "lower_to_impls"]
 
 import torch  # noqa: E402  (after the ops are defined, so torch.ops.resfuse has them)
@@ -28,6 +29,7 @@ IMPLS = {torch.ops.resfuse.conv2d.default: conv2d_impl, torch.ops.resfuse.gemm.d
          torch.ops.resfuse.conv2d_aux.default: conv2d_aux_impl, torch.ops.resfuse.gemm_aux.default: gemm_aux_impl,
          torch.ops.resfuse.batch_norm.default: batch_norm_impl,
          torch.ops.resfuse.batch_norm_stats.default: batch_norm_stats_impl,
+         torch.ops.resfuse.conv2d_stats.default: conv2d_stats_impl,
          torch.ops.resfuse.conv2d_dgrad.default: conv2d_dgrad_impl,
          torch.ops.resfuse.conv2d_dgrad_stats.default: conv2d_dgrad_stats_impl,
          torch.ops.resfuse.batch_norm_backward.default: batch_norm_backward_impl,

@@ -1,5 +1,5 @@
-"""The fused ops of training graphs: resfuse::batch_norm and resfuse::batch_norm_stats (forward),
-resfuse::conv2d_dgrad, its _stats twin, resfuse::batch_norm_backward and its _dual twin (backward).
+"""The fused ops of training graphs: resfuse::batch_norm, resfuse::batch_norm_stats and resfuse::conv2d_stats
+(forward), resfuse::conv2d_dgrad, its _stats twin, resfuse::batch_norm_backward and its _dual twin (backward).
 
 batch_norm is training-mode batch norm (batch statistics, running-stat update, the saved mean and invstd
 that backward reads) with an epilogue on its output, e.g. relu(add(acc, full0)): the bn -> add -> relu tail
@@ -10,6 +10,10 @@ batch_norm_stats is the same batch norm without its output: the statistics, the 
 per-channel scale and shift, stacked [2, C], that another batch norm's epilogue applies to x
 (normalize(full0, c1, c2, c3) over x, save_mean, scale, shift), where passes/shortcut_bn.py folds a residual
 block's shortcut batch norm in.
+
+conv2d_stats is a conv2d that also returns fp32 [2, C] sums, sum(y) and sum(y * y) per channel, from cuDNN's
+conv + genstats graph: passes/conv_stats.py hands them to the batch norm (or batch_norm_stats) that reads y, whose
+kernel then skips its own statistics pass over y (its `sums` argument).
 
 conv2d_dgrad is the data gradient of a conv2d with an epilogue, e.g. threshold_bwd(add(acc, full0), full1):
 the skip-gradient add absorbed (FuseAddToOutput in backward), then relu's gradient. The weight gradient
@@ -43,14 +47,15 @@ aten = torch.ops.aten
 
 def batch_norm_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                running_mean: torch.Tensor, running_var: torch.Tensor, operands: Sequence[torch.Tensor],
-               epilogue: str, momentum: float, eps: float,
-               provider: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               epilogue: str, momentum: float, eps: float, provider: str,
+               sums: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                               torch.Tensor]:
     if _use_triton(x.device, provider):
         from .. import kernels
 
-        _record("batch_norm", epilogue, "triton")
+        _record("batch_norm", epilogue, "triton" if sums is None else "triton, conv's sums")
         y, mean, invstd, rm, rv = kernels.batch_norm_train(x, weight, bias, running_mean, running_var,
-                                                           list(operands), epilogue, momentum, eps)
+                                                           list(operands), epilogue, momentum, eps, sums=sums)
         return (y, *_as_aten_dtypes(x, running_mean, (mean, invstd, rm, rv)))
     _record("batch_norm", epilogue, "reference")
     return batch_norm_reference(x, weight, bias, running_mean, running_var, operands, epilogue, momentum, eps)
@@ -86,7 +91,7 @@ def batch_norm_reference(x, weight, bias, running_mean, running_var, operands, e
 
 
 @batch_norm.register_fake
-def _(x, weight, bias, running_mean, running_var, operands, epilogue, momentum, eps, provider):
+def _(x, weight, bias, running_mean, running_var, operands, epilogue, momentum, eps, provider, sums=None):
     # ATen's own metadata (the statistics' dtypes differ between devices and input dtypes)
     out, mean, invstd, rm, rv = aten._native_batch_norm_legit_functional(x, weight, bias, running_mean,
                                                                           running_var, True, momentum, eps)
@@ -95,13 +100,14 @@ def _(x, weight, bias, running_mean, running_var, operands, epilogue, momentum, 
 
 def batch_norm_stats_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                           running_mean: torch.Tensor, running_var: torch.Tensor, momentum: float, eps: float,
-                          provider: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                          provider: str, sums: Optional[torch.Tensor] = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if _use_triton(x.device, provider):
         from .. import kernels
 
-        _record("batch_norm_stats", "", "triton")
+        _record("batch_norm_stats", "", "triton" if sums is None else "triton, conv's sums")
         mean, invstd, rm, rv, scale_shift = kernels.batch_norm_stats(x, weight, bias, running_mean, running_var,
-                                                                     momentum, eps)
+                                                                     momentum, eps, sums=sums)
         return (*_as_aten_dtypes(x, running_mean, (mean, invstd, rm, rv)), scale_shift)
     _record("batch_norm_stats", "", "reference")
     _, mean, invstd, rm, rv = aten._native_batch_norm_legit_functional(x, weight, bias, running_mean, running_var,
@@ -112,6 +118,45 @@ def batch_norm_stats_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias:
 batch_norm_stats = library.Op("batch_norm_stats", batch_norm_stats_impl)
 
 
+def conv2d_stats_impl(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
+                      dilation: Sequence[int], channels_last: bool, provider: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, sums): y = conv2d(x, weight) (groups 1, no bias), laid out channels_last or contiguous as asked, and
+    sums fp32 [2, C], sum(y) and sum(y * y) per channel: what a training batch norm of y needs for its statistics.
+    provider "cudnn": one cuDNN graph (conv_fprop + genstats), the sums from the conv's epilogue; "reference":
+    ATen's conv, then the sums in fp32 over y as the batch norm reads it."""
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    if provider == "cudnn" and x.is_cuda:
+        from ..providers import cudnn
+
+        _record("conv2d_stats", "", "cudnn")
+        y = torch.empty(_conv_shape(x, weight, stride, padding, dilation), dtype=x.dtype, device=x.device,
+                        memory_format=fmt)
+        sums = torch.empty(2, y.shape[1], dtype=torch.float32, device=x.device)
+        cudnn.conv_stats(x, weight, stride, padding, dilation, y, sums)
+        return y, sums
+    _record("conv2d_stats", "", "reference")
+    y = aten.convolution(x, weight, None, stride, padding, dilation, False, [0, 0], 1).contiguous(memory_format=fmt)
+    yf = y.float()
+    return y, torch.stack([yf.sum((0, 2, 3)), (yf * yf).sum((0, 2, 3))])
+
+
+conv2d_stats = library.Op("conv2d_stats", conv2d_stats_impl)
+
+
+def _conv_shape(x, weight, stride, padding, dilation) -> tuple:
+    size = [(n + 2 * p - d * (k - 1) - 1) // s + 1
+            for n, k, s, p, d in zip(x.shape[2:], weight.shape[2:], stride, padding, dilation)]
+    return (x.shape[0], weight.shape[0], *size)
+
+
+@conv2d_stats.register_fake
+def _(x, weight, stride, padding, dilation, channels_last, provider):
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    y = torch.empty(_conv_shape(x, weight, stride, padding, dilation), dtype=x.dtype, device=x.device,
+                    memory_format=fmt)
+    return y, torch.empty(2, weight.shape[0], dtype=torch.float32, device=x.device)
+
+
 def _scale_shift(invstd, weight, bias) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 (invstd * weight, bias), as kernels/batch_norm.py's statistics pass leaves them."""
     scale = invstd.float() * weight.float() if weight is not None else invstd.float().clone()
@@ -120,7 +165,7 @@ def _scale_shift(invstd, weight, bias) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @batch_norm_stats.register_fake
-def _(x, weight, bias, running_mean, running_var, momentum, eps, provider):
+def _(x, weight, bias, running_mean, running_var, momentum, eps, provider, sums=None):
     _, mean, invstd, rm, rv = aten._native_batch_norm_legit_functional(x, weight, bias, running_mean, running_var,
                                                                         True, momentum, eps)
     return mean, invstd, rm, rv, torch.empty(2, x.shape[1], dtype=torch.float32, device=x.device)

@@ -14,6 +14,7 @@ import torch.fx as fx
 from ..config import Config
 from .add_to_output import add_to_output
 from .bn_backward import batch_norm_backward
+from .conv_stats import conv_stats
 from .match_epilogue import match_epilogue
 from .permutes import sink_permutes
 from .pooling import max_pool
@@ -51,6 +52,7 @@ PASSES = [
     ("match_epilogue", _epilogue),
     ("add_to_output", add_to_output),  # after match_epilogue: it extends the fused ops that pass made
     ("shortcut_bn", shortcut_bn),  # after add_to_output: folds the batch norm whose output that pass absorbed
+    ("conv_stats", conv_stats),  # after the batch-norm fusions: hands their conv's sums to the final batch norms
     ("bn_backward", batch_norm_backward),  # after the fusions: its grad_out is their dgrad's output
     ("max_pool", max_pool),  # after the fusions, which never absorb a pool: its input is their output
     ("report", _collect),  # last: reads the final graph
