@@ -11,7 +11,7 @@ For each distinct forward conv of torchvision's ResNet-50 (fp16, channels_last),
 and for the data gradient, with relu's backward and batch norm backward's two sums in the same graph:
   dgrad:         conv_dgrad alone;  dgrad+sums: relu_backward on it, then sum(g) and sum(g * (x - mean)).
 Each variant is built only if cuDNN supports it (the reason is printed when not). The sums are checked against
-float64 sums of the fp16 output. Times: triton.testing.do_bench_cudagraph medians (us). Rows go to
+float64 sums of the fp16 output, and against a second run's (bit-identical or not). Times: triton.testing.do_bench_cudagraph medians (us). Rows go to
 DIR/cudnn_genstats.json; a table prints last.
 """
 from __future__ import annotations
@@ -164,6 +164,13 @@ def one(handle, xs, ws, stride, pad) -> dict:
             row[f"{name}_yerr"] = relerr(out, (y_sbr if sbr else y).double())
             if stats:
                 row[f"{name}_err"] = relerr(sums.view(2, c), ref_sbr if sbr else ref)
+                first = sums.clone()
+                run()
+                row[f"{name}_bit_identical"] = torch.equal(first, sums)
+                row[f"{name}_rerun_err"] = relerr(sums.view(2, c), ref_sbr if sbr else ref)  # accumulates?
+                sums.fill_(float("nan"))
+                run()
+                row[f"{name}_poisoned_err"] = relerr(sums.view(2, c), ref_sbr if sbr else ref)  # overwrites?
             row[name] = bench(run)
         except Exception as e:  # cuDNN has no engine for this graph
             row[name] = None
@@ -202,8 +209,6 @@ def main():
     handle = cudnn.create_handle()
     rows = []
     for (xs, ws, stride, pad), n in conv_shapes(args.batch).items():
-        if ws[1] == 3:
-            continue  # the stem: its output is max-pooled after its batch norm, and C=3 is a case of its own
         row = one(handle, xs, ws, stride, pad) | {"count": n}
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -221,7 +226,9 @@ def main():
             total[c] += (v or float("nan")) * r["count"]
     print(f"{'per step (ms)':>44} " + " ".join(f"{total[c] / 1e3:14.2f}" for c in cols))
     for r in rows[:3]:
-        print({k: v for k, v in r.items() if k.endswith(("_why", "_err", "_yerr", "_dxerr"))})
+        print({k: v for k, v in r.items() if k.endswith(("_why", "_err", "_yerr", "_dxerr", "_identical"))})
+    print("genstats sums bit-identical run to run on every shape:",
+          all(r.get("fprop+genstats_bit_identical", False) for r in rows))
 
 
 if __name__ == "__main__":

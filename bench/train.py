@@ -75,6 +75,7 @@ def peers():
         "resfuse+graphs-no-ato": lambda m: resfuse.compile(m, cuda_graphs=True, fuse_add_to_output=False),
         "resfuse+graphs-eager-rest": lambda m: resfuse.compile(m, cuda_graphs=True, remainder="eager"),
         "resfuse+graphs-no-pdl": lambda m: resfuse.compile(m, cuda_graphs=True, pdl=False),
+        "resfuse+graphs-no-conv-stats": lambda m: resfuse.compile(m, cuda_graphs=True, conv_stats=False),
         "resfuse+graphs-no-sums": lambda m: resfuse.compile(m, cuda_graphs=True, bn_backward_sums=False),
         "resfuse+graphs-sums": lambda m: resfuse.compile(m, cuda_graphs=True, bn_backward_sums=True),
         "resfuse+graphs-no-pdl-no-sums": lambda m: resfuse.compile(m, cuda_graphs=True, pdl=False,

@@ -332,3 +332,38 @@ def test_dependent_launches_in_a_graph_wait_for_their_producer():
         for w, b in zip(ws, bs):
             ref = torch.relu(ref.half().double() @ w.double() + b.double()) + ref.half().double()
         assert rel(out.double(), ref) < 2e-3
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
+def test_fp16_training_steps_take_the_statistics_from_the_conv():
+    """Under autocast the convs feeding batch norms run cuDNN's conv + genstats (when nvidia-cudnn-frontend is
+    installed), replayed through CUDA graph trees: losses, weights and running stats track eager's."""
+    import copy
+
+    from resfuse.ops import PATHS
+    from resfuse.providers import cudnn
+
+    torch.manual_seed(0)
+    eager = Block().cuda().to(memory_format=torch.channels_last).train()
+    mine = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    PATHS.clear()
+    compiled = resfuse.compile(mine, cuda_graphs=True, tuning="none")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (eager, mine)]
+    for _ in range(4):
+        x = torch.randn(4, 8, 9, 7, device="cuda").to(memory_format=torch.channels_last)
+        losses = []
+        for model, opt in zip((eager, compiled), opts):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(x).float().square().mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) <= 2e-2 * abs(losses[0]) + 1e-4
+    for (name, p), q in zip(eager.named_parameters(), mine.parameters()):
+        assert rel(q, p) < 2e-2, name
+    assert rel(mine.b2.running_var, eager.b2.running_var) < 1e-2
+    if cudnn._cudnn() is not None:
+        assert PATHS[("conv2d_stats", "", "cudnn")] > 0, (PATHS, compiled.resfuse_report.rejected)

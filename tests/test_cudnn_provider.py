@@ -2,6 +2,7 @@
 
 Its graphs themselves need a GPU and the nvidia-cudnn-frontend extra: bench/cudnn_check.py checks their
 numerics against the unfused reference and times them there."""
+import pytest
 import torch
 
 from resfuse import epilogue as epi
@@ -29,3 +30,71 @@ def test_refusals_say_why():
 
 def test_no_cudnn_candidates_on_cpu():
     assert not any(c.provider == "cudnn" for c in candidates(_conv_call(), "fast"))
+
+
+# ---- conv + genstats (training's conv2d_stats) ---------------------------------------------------------------------
+def _conv_stats_inputs(shape, cout, k, stride, dtype, device, channels_last=True):
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(shape, device=device).to(dtype).contiguous(memory_format=fmt)
+    w = (torch.randn(cout, shape[1], k, k, device=device) / (shape[1] * k * k) ** 0.5).to(dtype)
+    return x, w.contiguous(memory_format=fmt), [stride] * 2, [k // 2] * 2, [1, 1]
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _sums64(y):
+    yd = y.double()
+    return torch.stack([yd.sum((0, 2, 3)), (yd * yd).sum((0, 2, 3))])
+
+
+def test_conv_stats_refusals_on_cpu():
+    x, w, stride, padding, dilation = _conv_stats_inputs((1, 8, 5, 5), 4, 3, 1, torch.float16, "cpu")
+    why = cudnn.conv_stats_refusal(x, w, (1, 4, 5, 5), (100, 1, 20, 4), stride, padding, dilation)
+    assert "CUDA device" in why or "not installed" in why
+
+
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_conv2d_stats_reference_matches_the_conv_and_float64_sums(channels_last):
+    from resfuse import ops
+
+    torch.manual_seed(0)
+    x, w, stride, padding, dilation = _conv_stats_inputs((2, 5, 7, 6), 3, 3, 2, torch.float32, "cpu", channels_last)
+    y, sums = ops.conv2d_stats(x, w, stride, padding, dilation, channels_last, "reference")
+    want = torch.nn.functional.conv2d(x, w, stride=stride, padding=padding)
+    torch.testing.assert_close(y, want)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    assert y.is_contiguous(memory_format=fmt) and sums.dtype == torch.float32 and sums.shape == (2, 3)
+    torch.testing.assert_close(sums.double(), _sums64(y), rtol=1e-5, atol=1e-5)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fy, fsums = ops.conv2d_stats(mode.from_tensor(x), mode.from_tensor(w), stride, padding, dilation,
+                                     channels_last, "reference")
+    assert fy.shape == y.shape and fy.stride() == y.stride() and fsums.shape == sums.shape
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or cudnn._cudnn() is None,
+                    reason="needs a CUDA GPU and nvidia-cudnn-frontend (run on the GPU machine)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape,cout,k,stride", [((4, 64, 14, 14), 96, 1, 1), ((3, 32, 15, 13), 40, 3, 2),
+                                                 ((2, 16, 9, 9), 24, 3, 1)])
+def test_conv2d_stats_on_cudnn_matches_the_reference(dtype, shape, cout, k, stride):
+    from resfuse import ops
+
+    torch.manual_seed(1)
+    x, w, stride, padding, dilation = _conv_stats_inputs(shape, cout, k, stride, dtype, "cuda")
+    y_ref = torch.nn.functional.conv2d(x, w, stride=stride, padding=padding)
+    why = cudnn.conv_stats_refusal(x, w, y_ref.shape, y_ref.stride(), stride, padding, dilation)
+    assert why is None, why
+    y, sums = ops.conv2d_stats(x, w, stride, padding, dilation, True, "cudnn")
+    assert y.stride() == y_ref.stride()
+    assert rel(y.float(), y_ref.float()) < 1e-2
+    # genstats sums the fp32 values before y's rounding to fp16/bf16: each term may be off by half an ulp of y's
+    # dtype, the sum by at most the sum of those (plus fp32's own rounding)
+    half_ulp = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype]
+    yd = y.double().abs()
+    bound = torch.stack([yd.sum((0, 2, 3)), 2 * (yd * yd).sum((0, 2, 3))]) * (half_ulp + 1e-6) + 1e-6
+    err = (sums.double() - _sums64(y)).abs()
+    assert (err <= bound).all(), (err.max(1), bound.min(1), sums[:, :4], _sums64(y)[:, :4])

@@ -140,7 +140,7 @@ def bn_finalize_kernel(ws, save_mean, save_invstd, w, b, rm, rv, rm_out, rv_out,
                   rv_out, M, C, momentum, eps, HAS_W, HAS_B, HAS_RUNNING)
 
 
-RECOMPUTE_BITS: tl.constexpr = 6  # sum(x^2) / M2 past 64 (mean^2 > 63 variances): fp32 sums keep too few bits
+RECOMPUTE_PAST = tl.constexpr(64.0)  # sum(x^2) / M2 past 64 (mean^2 > 63 variances): fp32 sums keep too few bits
 
 
 @triton.jit
@@ -150,7 +150,7 @@ def bn_finalize_sums_kernel(sums, x, ws, save_mean, save_invstd, w, b, rm, rv, r
                             HAS_RUNNING: tl.constexpr, PDL: tl.constexpr):
     """bn_finalize_kernel from given per-channel fp32 sums[0:C] = sum(x), sums[C:2C] = sum(x^2) (a conv's epilogue
     computed them) instead of the partials pass. M2 = sum(x^2) - sum(x)^2 / M cancels where the mean is large
-    against the spread: where it lost more than RECOMPUTE_BITS bits, this program walks its channels' rows once,
+    against the spread: where sum(x^2) / M2 passes RECOMPUTE_PAST (6 bits lost), this program walks its channels' rows once,
     summing d and d^2 with d = x - the sums' mean, as bn_partials_kernel does. Exact where it must be, free where
     it need not."""
     dependent_launch(PDL)
@@ -161,7 +161,7 @@ def bn_finalize_sums_kernel(sums, x, ws, save_mean, save_invstd, w, b, rm, rv, r
     mean = s1 / M
     m2 = s2 - s1 * mean
     m2 = tl.where(m2 < 0.0, 0.0, m2)  # not tl.maximum: a NaN must stay NaN
-    lost = ok_c & (m2 * (1 << RECOMPUTE_BITS) < s2)
+    lost = ok_c & (m2 * RECOMPUTE_PAST < s2)
     if tl.sum(lost.to(tl.int32), axis=0) > 0:
         cols = offs_c * s_xc
         d1 = tl.full([BP, BC], 0.0, dtype=tl.float32)

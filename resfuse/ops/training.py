@@ -53,7 +53,7 @@ def batch_norm_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optio
     if _use_triton(x.device, provider):
         from .. import kernels
 
-        _record("batch_norm", epilogue, "triton" if sums is None else "triton, conv's sums")
+        _record("batch_norm", epilogue, "triton")
         y, mean, invstd, rm, rv = kernels.batch_norm_train(x, weight, bias, running_mean, running_var,
                                                            list(operands), epilogue, momentum, eps, sums=sums)
         return (y, *_as_aten_dtypes(x, running_mean, (mean, invstd, rm, rv)))
@@ -105,7 +105,7 @@ def batch_norm_stats_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias:
     if _use_triton(x.device, provider):
         from .. import kernels
 
-        _record("batch_norm_stats", "", "triton" if sums is None else "triton, conv's sums")
+        _record("batch_norm_stats", "", "triton")
         mean, invstd, rm, rv, scale_shift = kernels.batch_norm_stats(x, weight, bias, running_mean, running_var,
                                                                      momentum, eps, sums=sums)
         return (*_as_aten_dtypes(x, running_mean, (mean, invstd, rm, rv)), scale_shift)

@@ -10,9 +10,12 @@ is gone. On an H100 that made ResNet-50's convs plus statistics 1.7 ms a bs256 s
 Legal where the batch norm runs on our kernel (only it takes sums) and reads y itself; the conv is a plain 2-D one
 (groups 1, no bias, not transposed) and y is laid out channels_last or contiguous. On CUDA, cuDNN must be
 installed and have an engine for the graph (checked here, on the fake tensors' shapes), the dtype fp16 or bf16,
-and the input channels a multiple of 8 (ResNet's stem, 3 channels, stays on ATen: cuDNN pads such inputs in a
-kernel of its own). On CPU under the interpreter (tests) the op's reference path computes the sums in torch.
-y is the same tensor as before, kept for backward as before, so no tensor lives longer.
+and the input channels a multiple of 8 (ResNet's stem, 3 channels, stays on ATen: cuDNN has no engine for it).
+genstats sums with atomics, so the statistics' last bits vary run to run (by about 1e-7; cuDNN's weight gradients
+already do so in eager): under torch.use_deterministic_algorithms or cudnn.deterministic the pass stays off. The
+sums are of the conv's fp32 values before y's rounding to fp16, so the mean and variance differ from those of y
+by a part in 10^5 of the spread or less. On CPU under the interpreter (tests) the op's reference path computes the
+sums in torch. y is the same tensor as before, kept for backward as before, so no tensor lives longer.
 """
 from __future__ import annotations
 
@@ -66,6 +69,9 @@ def _refusal(conv: fx.Node, provider: str) -> str | None:
     if _layout(yv) is None:
         return f"output strides {yv.stride()} are neither channels_last nor contiguous"
     if provider == "cudnn":
+        if torch.are_deterministic_algorithms_enabled() or torch.backends.cudnn.deterministic:
+            return ("deterministic algorithms are asked for, and genstats sums with atomics (its last bits vary "
+                    "run to run)")
         if xv.shape[1] % 8:
             return f"{xv.shape[1]} input channels (not a multiple of 8: cuDNN pads them in a kernel of its own)"
         from ..providers import cudnn

@@ -42,12 +42,20 @@ def _aten64(x, w, b, rm, rv, momentum, eps):
     return ATEN(x.double(), _dbl(w), _dbl(b), rm64, rv64, True, momentum, eps)
 
 
-def _run(x, w, b, rm, rv, operands, signature, momentum=0.1, eps=1e-5, use_out=False, config=None):
+def _run(x, w, b, rm, rv, operands, signature, momentum=0.1, eps=1e-5, use_out=False, config=None, sums=False):
     out = torch.full_like(x, float("nan")) if use_out else None  # poisoned: every element must be written
-    res = kernels.batch_norm_train(x, w, b, rm, rv, operands, signature, momentum, eps, out=out, config=config)
+    res = kernels.batch_norm_train(x, w, b, rm, rv, operands, signature, momentum, eps, out=out, config=config,
+                                   sums=_sums(x) if sums else None)
     if use_out:
         assert res[0] is out
     return res
+
+
+def _sums(x):
+    """fp32 sum(x) and sum(x * x) per channel, as ops.conv2d_stats's reference path gives them (cuDNN's genstats
+    sums in fp32 too)."""
+    xf = x.float().transpose(0, 1).reshape(x.shape[1], -1)
+    return torch.stack([xf.sum(1), (xf * xf).sum(1)])
 
 
 def _check(res, x, w, b, rm, rv, tree, operands, momentum=0.1, eps=1e-5):
@@ -249,3 +257,66 @@ def test_bad_arguments_are_refused():
         kernels.batch_norm_train(x, None, None, torch.zeros(3), None, [], "acc", 0.1, 1e-5)
     with pytest.raises(TypeError):
         kernels.batch_norm_train(x.double(), None, None, None, None, [], "acc", 0.1, 1e-5)
+
+
+# ---- given sums (a conv's genstats): the statistics without their pass over x --------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), shape=SHAPES, dtype=st.sampled_from(DTYPES),
+       layout=st.sampled_from(["contiguous", "channels_last", "strided"]), affine=st.booleans(),
+       running=st.booleans(), config=st.sampled_from(CONFIGS), mean=st.sampled_from([0.0, 3.0, 1000.0]),
+       stats_alone=st.booleans())
+def test_given_sums_match_aten_then_epilogue(data, shape, dtype, layout, affine, running, config, mean, stats_alone):
+    """From fp32 sums, mean far from 0 or not (1000: sum(x^2) - sum(x)^2 / n keeps no bit of the variance, and
+    the finalize kernel's exact pass over x must run), as batch_norm_train and as batch_norm_stats."""
+    x, w, b, rm, rv = _inputs(shape, dtype, layout, affine, running, mean=mean)
+    if stats_alone:
+        got = kernels.batch_norm_stats(x, w, b, rm, rv, 0.1, 1e-5, config=config, sums=_sums(x))
+        want = kernels.batch_norm_stats(x, w, b, rm, rv, 0.1, 1e-5, config=config)
+        ref = _aten64(x, w, b, rm, rv, 0.1, 1e-5)
+        for g, v in zip(got[:2], ref[1:3]):
+            assert_close(g, v, torch.float32)
+        for g, v in zip(got[2:], want[2:]):
+            assert (g is None) == (v is None) and (g is None or torch.allclose(g.double(), v.double(), rtol=1e-4, equal_nan=True))
+        return
+    tree, roles = data.draw(trees(kinds=("c", "nc", "full") if len(shape) > 2 else ("c", "full")))
+    operands = [make_operand(role, kind, shape, 1, dtype, 0) for kind, role in roles]
+    res = _run(x, w, b, rm, rv, operands, str(tree), use_out=True, config=config, sums=True)
+    _check(res, x, w, b, rm, rv, tree, operands)
+
+
+@pytest.mark.parametrize("config", [None, BnConfig(4, 2, 3, 2)])
+def test_given_sums_recompute_only_the_channels_that_cancelled(config):
+    """Channels 0 and 3 sit at 1000 + N(0, 1), the others near 0: the sums give the others their variance as they
+    are (their fp32 rounding, not the exact pass's), and the exact pass fixes 0 and 3 to fp32's own precision."""
+    torch.manual_seed(7)
+    x = torch.randn(3, 5, 6, 6) + torch.tensor([1000.0, 0, 0.5, 1000, -1]).view(1, 5, 1, 1)
+    sums = _sums(x)
+    y, mean, invstd, *_ = kernels.batch_norm_train(x, None, None, None, None, [], "acc", 0.1, 1e-5, config=config,
+                                                   sums=sums)
+    var64 = x.double().var(dim=(0, 2, 3), unbiased=False)
+    torch.testing.assert_close(invstd.double(), (var64 + 1e-5).rsqrt(), rtol=1e-5, atol=0)
+    n = x.numel() // 5
+    naive = (sums[1] - sums[0] * (sums[0] / n)).clamp_min(0) / n  # what the sums alone give
+    assert ((naive.double() - var64).abs() / var64)[[0, 3]].min() > 1e-2  # ... is far off where the mean is large
+    torch.testing.assert_close(mean.double(), x.double().mean((0, 2, 3)), rtol=1e-6, atol=1e-6)
+
+
+def test_given_sums_propagate_nan_like_eager():
+    torch.manual_seed(3)
+    x, w, b, rm, rv = _inputs((2, 5, 4, 3), torch.float32, "channels_last")
+    x[1, 0, 2, 1] = float("nan")
+    x[0, 1, 3, 2] = float("inf")
+    y, mean, invstd, rm_new, rv_new = _run(x, w, b, rm, rv, [], "acc", sums=True)
+    ref = _aten64(x, w, b, rm, rv, 0.1, 1e-5)
+    for got, want in ((y, ref[0]), (invstd, ref[2]), (rv_new, ref[4])):
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), (got, want)
+    ok = torch.isfinite(ref[2])
+    torch.testing.assert_close(invstd.double()[ok], ref[2][ok], rtol=1e-5, atol=0)
+
+
+def test_given_sums_of_the_wrong_shape_are_refused():
+    x, w, b, rm, rv = _inputs((2, 5, 4, 3), torch.float32, "channels_last")
+    with pytest.raises(ValueError, match="sums must be"):
+        kernels.batch_norm_train(x, w, b, rm, rv, [], "acc", 0.1, 1e-5, sums=_sums(x)[:, :4].contiguous())
+    with pytest.raises(ValueError, match="sums must be"):
+        kernels.batch_norm_stats(x, w, b, rm, rv, 0.1, 1e-5, sums=_sums(x).double())

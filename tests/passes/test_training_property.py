@@ -66,9 +66,10 @@ def test_random_residual_nets_train_like_eager(net, epilogue, add_to_output, dyn
 
 
 @settings(max_examples=max(1, EXAMPLES // 4), deadline=None)
-@given(networks(), st.integers(0, 2**16), st.booleans(), st.booleans())
-def test_random_residual_nets_train_like_eager_through_the_triton_kernels(net, seed, bn_sums, dual):
-    report = check_one_step(net, seed, interpret=True, bn_backward_sums=bn_sums, bn_backward_dual=dual)
+@given(networks(), st.integers(0, 2**16), st.booleans(), st.booleans(), st.booleans())
+def test_random_residual_nets_train_like_eager_through_the_triton_kernels(net, seed, bn_sums, dual, conv_stats):
+    report = check_one_step(net, seed, interpret=True, bn_backward_sums=bn_sums, bn_backward_dual=dual,
+                            conv_stats=conv_stats)
     for f in report.fusions:  # a grouped conv (but a depthwise forward) runs cuDNN (ATen on CPU) + our epilogue
         # kernel; the rest ours
         x_shape, w_shape = f.shapes["inputs"]  # (paths are counted per signature, which convs may share)
@@ -81,6 +82,12 @@ def test_random_residual_nets_train_like_eager_through_the_triton_kernels(net, s
     projected = sum(b.short is not None and isinstance(b.bn2, nn.BatchNorm2d) for b in net[1])
     folds = [f for f in report.fusions if f.graph == "forward" and "normalize(" in f.signature]
     assert len(folds) == projected, (folds, report.rewrites, report.rejected)
+    # each plain conv (groups 1, no bias) under a batch norm of ours hands it the statistics of its output (bn1 is
+    # ours where relu fused into it; silu's and gelu's backward read their input, and they stay ATen's)
+    plain = sum((b.conv1.groups == 1 and b.conv1.bias is None and b.act is torch.relu) + (b.conv2.bias is None)
+                + (b.short is not None) for b in net[1] if isinstance(b.bn2, nn.BatchNorm2d))
+    stats = [int(r.split()[2]) for r in report.rewrites if "compute their batch norm's statistics" in r]
+    assert stats == ([plain] if conv_stats and plain else []), (stats, plain, report.rewrites, report.rejected)
     # and in backward the two batch norms of such a block read the add's gradient in one call (with bn_sums, where
     # the first takes its sums from the conv that makes that gradient, the two stay apart)
     pairs = [int(r.split()[2]) for r in report.rewrites if "pair(s) of batch-norm backwards" in r]
