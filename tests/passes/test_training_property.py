@@ -163,3 +163,21 @@ def eager_run(model, x, memory_format, input_grad, threads=None):
         torch.set_num_threads(saved)
     return {"loss": loss.detach(), "input": x.grad, **{n: p.grad for n, p in model.named_parameters()},
             **dict(model.named_buffers())}
+
+
+def test_batch_norms_take_their_statistics_from_the_conv(tmp_path):
+    """A bottleneck block under the interpreter: each of its three convs becomes resfuse::conv2d_stats and the batch
+    norm reading it (the folded shortcut's batch_norm_stats too) takes its sums; with conv_stats off, none does.
+    The step matches eager either way (check_one_step)."""
+    from resfuse.ops import PATHS
+
+    for on in (True, False):
+        torch.manual_seed(0)
+        net = (8, nn.Sequential(Block(8, 16, 1, True, True, False)), 5, True, False)
+        PATHS.clear()
+        report = check_one_step(net, 0, interpret=True, conv_stats=on, debug_dump=str(tmp_path / str(on)))
+        graph = (tmp_path / str(on) / "forward-05-conv_stats.txt").read_text()
+        takers = [line for line in graph.splitlines() if "torch.ops.resfuse.batch_norm" in line and "sums = " in line]
+        assert len(takers) == (3 if on else 0), graph
+        assert PATHS[("conv2d_stats", "", "reference")] == (3 if on else 0)
+        assert any("3 conv(s) compute" in r for r in report.rewrites) == on, report.rewrites
