@@ -57,7 +57,7 @@ def analyse(step: list) -> dict:
             end, last_name = e["ts"] + e["dur"], e["name"]
     sizes = collections.Counter()
     for us, *_ in holes:
-        sizes[next(f"<{b}us" for b in (2, 5, 20, 100, 1000, float("inf")) if us < b)] += us
+        sizes[next((f"<{b}us" for b in (2, 5, 20, 100, 1000) if us < b), ">=1000us")] += us
     return {"span_us": end - start, "busy_us": busy, "idle_us": end - start - busy, "kernels": len(kernels),
             "first_idle_us": holes[0][0] if holes and holes[0][1] == "(marker)" else 0.0,
             "idle_by_gap_size_us": dict(sizes), "longest": sorted(holes, reverse=True)[:15]}

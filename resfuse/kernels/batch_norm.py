@@ -137,7 +137,7 @@ def bn_finalize_kernel(ws, save_mean, save_invstd, w, b, rm, rv, rm_out, rv_out,
         dev = tl.load(at, mask=ok, other=0.0) - pivot[None, :] - shift_mean[None, :]
         acc += tl.where(ok, tl.load(at + SPLITS * C, mask=ok, other=0.0) + n_r[:, None] * dev * dev, 0.0)
     _finish_stats(pivot + shift_mean, sum_rows(acc), offs_c, ok_c, ws, save_mean, save_invstd, w, b, rm, rv, rm_out,
-                  rv_out, M, C, momentum, eps, HAS_W, HAS_B, HAS_RUNNING)
+                  rv_out, M, C, momentum, eps, BC, HAS_W, HAS_B, HAS_RUNNING)
 
 
 RECOMPUTE_PAST = tl.constexpr(64.0)  # sum(x^2) / M2 past 64 (mean^2 > 63 variances): fp32 sums keep too few bits
@@ -162,7 +162,7 @@ def bn_finalize_sums_kernel(sums, x, ws, save_mean, save_invstd, w, b, rm, rv, r
     m2 = s2 - s1 * mean
     m2 = tl.where(m2 < 0.0, 0.0, m2)  # not tl.maximum: a NaN must stay NaN
     lost = ok_c & (m2 * RECOMPUTE_PAST < s2)
-    if tl.sum(lost.to(tl.int32), axis=0) > 0:
+    if sum_rows(lost.to(tl.int32)) > 0:
         cols = offs_c * s_xc
         d1 = tl.full([BP, BC], 0.0, dtype=tl.float32)
         d2 = tl.full([BP, BC], 0.0, dtype=tl.float32)
@@ -177,12 +177,12 @@ def bn_finalize_sums_kernel(sums, x, ws, save_mean, save_invstd, w, b, rm, rv, r
         m2 = tl.where(lost, tl.maximum(e2 - e1 * (e1 / M), 0.0), m2)  # (lost: finite)
         mean = tl.where(lost, mean + e1 / M, mean)
     _finish_stats(mean, m2, offs_c, ok_c, ws, save_mean, save_invstd, w, b, rm, rv, rm_out, rv_out, M, C, momentum,
-                  eps, HAS_W, HAS_B, HAS_RUNNING)
+                  eps, BC, HAS_W, HAS_B, HAS_RUNNING)
 
 
 @triton.jit
 def _finish_stats(mean, m2, offs_c, ok_c, ws, save_mean, save_invstd, w, b, rm, rv, rm_out, rv_out, M, C, momentum,
-                  eps, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RUNNING: tl.constexpr):
+                  eps, BC: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RUNNING: tl.constexpr):
     """From a channel block's mean and M2: save_mean, save_invstd, ws[0:C] = scale, ws[C:2C] = shift, and the
     new running stats."""
     invstd = tl.div_rn(1.0, tl.sqrt_rn(m2 / M + eps))
@@ -191,7 +191,7 @@ def _finish_stats(mean, m2, offs_c, ok_c, ws, save_mean, save_invstd, w, b, rm, 
     scale = invstd
     if HAS_W:
         scale = scale * tl.load(w + offs_c, mask=ok_c, other=0.0).to(tl.float32)
-    shift = tl.zeros_like(invstd)
+    shift = tl.full([BC], 0.0, dtype=tl.float32)
     if HAS_B:
         shift = tl.load(b + offs_c, mask=ok_c, other=0.0).to(tl.float32)
     tl.store(ws + offs_c, scale, mask=ok_c)

@@ -5,7 +5,7 @@ Training batch norm reads the conv output y twice: once for its statistics, once
 straight from aten.convolution, the conv becomes resfuse::conv2d_stats (ops/training.py), which returns y and the
 fp32 per-channel sum(y) and sum(y * y) from cuDNN's conv + genstats graph, and each batch norm reading y
 (resfuse::batch_norm, or batch_norm_stats for a folded shortcut) takes them as `sums`: its statistics pass over y
-is gone. On an H100 that made ResNet-50's convs plus statistics 1.7 ms a bs256 step faster (BENCHMARKS.md).
+is gone. On an H100 a ResNet-50 bs256 training step took 1.8-2.5 ms less (BENCHMARKS.md, nineteenth session).
 
 Legal where the batch norm runs on our kernel (only it takes sums) and reads y itself; the conv is a plain 2-D one
 (groups 1, no bias, not transposed) and y is laid out channels_last or contiguous. On CUDA, cuDNN must be
