@@ -87,14 +87,7 @@ def run_peer(job: str, peer: str, iters: int, out: str) -> dict:
     for _ in range(4):
         step()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
+    ms = train.step_ms(step, iters)
     mark = torch.zeros(MARK, device="cuda")
     path = os.path.join(out, f"trace_{name}_bs{batch}_{peer}.json")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -110,7 +103,7 @@ def run_peer(job: str, peer: str, iters: int, out: str) -> dict:
     with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
         shutil.copyfileobj(src, dst)
     os.remove(path)
-    row = {"ms": statistics.median(times), "host_ms": host_ms(step), "steps": steps}
+    row = {"ms": ms, "host_ms": host_ms(step), "steps": steps}
     del compiled, model, opt, step
     torch._dynamo.reset()
     torch.cuda.empty_cache()

@@ -97,6 +97,19 @@ def step_fn(model, opt, loss_fn, data):
     return step
 
 
+def step_ms(step, iters: int) -> float:
+    """Median CUDA-event time of one step, each started on an idle GPU."""
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
 def grads_of(model, data, loss_fn):
     x, y = data
     torch.compiler.cudagraph_mark_step_begin()
@@ -158,15 +171,7 @@ def run_job(name: str, batch: int, iters: int, profile: bool = False, only=()) -
             gc.collect()  # tuning's leftovers (CUDA graphs and their pools) are not the step's memory
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-            times = []
-            for _ in range(iters):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                step()
-                b.record()
-                torch.cuda.synchronize()
-                times.append(a.elapsed_time(b))
-            row["ms"] = statistics.median(times)
+            row["ms"] = step_ms(step, iters)
             row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
             # a CUDA-graph replay allocates nothing: its memory is the private pool, counted as reserved
             row["reserved_gb"] = torch.cuda.max_memory_reserved() / 1e9

@@ -70,6 +70,18 @@ def _operand4(t: torch.Tensor, out_shape, kind: str) -> torch.Tensor:
     return t
 
 
+def _build(g) -> tuple:
+    """(the graph, its workspace bytes), validated and built with heuristics A then the fallback list; raises where
+    cuDNN has no engine for it (check_support)."""
+    cudnn = _cudnn()
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.check_support()
+    g.build_plans()
+    return g, g.get_workspace_size()
+
+
 class Plan:
     """A built cuDNN graph for one problem, and how to bind a call's tensors to it."""
 
@@ -100,13 +112,7 @@ class Plan:
         y.set_output(True).set_data_type(types[call.out.dtype])
         y.set_dim(list(call.out.shape)).set_stride(list(call.out.strides))
         self.y = y
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        g.check_support()
-        g.build_plans()
-        self.graph = g
-        self.workspace_bytes = g.get_workspace_size()
+        self.graph, self.workspace_bytes = _build(g)
 
     def _scalar(self, g, value: float):
         t = self.scalars.get(value)
@@ -204,13 +210,7 @@ class StatsPlan:
         c = y_shape[1]
         for t in (self.sum, self.sq_sum):
             t.set_output(True).set_data_type(f32).set_dim([1, c, 1, 1]).set_stride([c, 1, c, c])
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        g.check_support()
-        g.build_plans()
-        self.graph = g
-        self.workspace_bytes = g.get_workspace_size()
+        self.graph, self.workspace_bytes = _build(g)
 
     def run(self, x, w, y, sums):
         _cudnn().set_stream(self.handle, torch.cuda.current_stream().cuda_stream)
