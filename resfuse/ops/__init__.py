@@ -20,8 +20,8 @@ from .training import (batch_norm, batch_norm_backward, batch_norm_backward_dual
                        conv2d_stats_impl)
 
 __all__ = ["PATHS", "conv2d", "conv2d_aux", "gemm", "gemm_aux", "conv_out_format", "batch_norm", "batch_norm_stats",
-           "conv2d_stats", "conv2d_dgrad", "conv2d_dgrad_stats", "batch_norm_backward", "batch_norm_backward_dual", "max_pool2d",
-           "max_pool2d_epilogue", "max_pool2d_backward", "lower_to_impls"]
+           "conv2d_stats", "conv2d_dgrad", "conv2d_dgrad_stats", "batch_norm_backward", "batch_norm_backward_dual",
+           "max_pool2d", "max_pool2d_epilogue", "max_pool2d_backward", "lower_to_impls"]
 
 import torch  # noqa: E402  (after the ops are defined, so torch.ops.resfuse has them)
 

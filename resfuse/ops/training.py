@@ -124,17 +124,15 @@ def conv2d_stats_impl(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[in
     sums fp32 [2, C], sum(y) and sum(y * y) per channel: what a training batch norm of y needs for its statistics.
     provider "cudnn": one cuDNN graph (conv_fprop + genstats), the sums from the conv's epilogue; "reference":
     ATen's conv, then the sums in fp32 over y as the batch norm reads it."""
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
     if provider == "cudnn" and x.is_cuda:
         from ..providers import cudnn
 
         _record("conv2d_stats", "", "cudnn")
-        y = torch.empty(_conv_shape(x, weight, stride, padding, dilation), dtype=x.dtype, device=x.device,
-                        memory_format=fmt)
-        sums = torch.empty(2, y.shape[1], dtype=torch.float32, device=x.device)
+        y, sums = _conv_stats_outputs(x, weight, stride, padding, dilation, channels_last)
         cudnn.conv_stats(x, weight, stride, padding, dilation, y, sums)
         return y, sums
     _record("conv2d_stats", "", "reference")
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
     y = aten.convolution(x, weight, None, stride, padding, dilation, False, [0, 0], 1).contiguous(memory_format=fmt)
     yf = y.float()
     return y, torch.stack([yf.sum((0, 2, 3)), (yf * yf).sum((0, 2, 3))])
@@ -143,18 +141,18 @@ def conv2d_stats_impl(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[in
 conv2d_stats = library.Op("conv2d_stats", conv2d_stats_impl)
 
 
-def _conv_shape(x, weight, stride, padding, dilation) -> tuple:
+def _conv_stats_outputs(x, weight, stride, padding, dilation, channels_last) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (y, sums) as conv2d_stats returns them (its fake implementation too)."""
     size = [(n + 2 * p - d * (k - 1) - 1) // s + 1
             for n, k, s, p, d in zip(x.shape[2:], weight.shape[2:], stride, padding, dilation)]
-    return (x.shape[0], weight.shape[0], *size)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    y = torch.empty(x.shape[0], weight.shape[0], *size, dtype=x.dtype, device=x.device, memory_format=fmt)
+    return y, torch.empty(2, weight.shape[0], dtype=torch.float32, device=x.device)
 
 
 @conv2d_stats.register_fake
 def _(x, weight, stride, padding, dilation, channels_last, provider):
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    y = torch.empty(_conv_shape(x, weight, stride, padding, dilation), dtype=x.dtype, device=x.device,
-                    memory_format=fmt)
-    return y, torch.empty(2, weight.shape[0], dtype=torch.float32, device=x.device)
+    return _conv_stats_outputs(x, weight, stride, padding, dilation, channels_last)
 
 
 def _scale_shift(invstd, weight, bias) -> tuple[torch.Tensor, torch.Tensor]:
