@@ -11,7 +11,8 @@ For each distinct forward conv of torchvision's ResNet-50 (fp16, channels_last),
 and for the data gradient, with relu's backward and batch norm backward's two sums in the same graph:
   dgrad:         conv_dgrad alone;  dgrad+sums: relu_backward on it, then sum(g) and sum(g * (x - mean)).
 Each variant is built only if cuDNN supports it (the reason is printed when not). The sums are checked against
-float64 sums of the fp16 output, and against a second run's (bit-identical or not). Times: triton.testing.do_bench_cudagraph medians (us). Rows go to
+float64 sums of the fp16 output, and against a second run's (bit-identical or not). Times:
+triton.testing.do_bench_cudagraph medians (us). Rows go to
 DIR/cudnn_genstats.json; a table prints last.
 """
 from __future__ import annotations
@@ -151,7 +152,8 @@ def one(handle, xs, ws, stride, pad) -> dict:
     row["aten_conv"] = bench(lambda: F.conv2d(x, w, stride=stride, padding=pad))
     row["aten_stats"] = bench(lambda: kernels.batch_norm_stats(y, ones, zeros, rm, rv, 0.1, 1e-5))
     ref = torch.stack([y.double().sum((0, 2, 3)), (y.double() ** 2).sum((0, 2, 3))])
-    scale, bias = torch.rand(1, xs[1], 1, 1, device="cuda").half() + 0.5, torch.randn(1, xs[1], 1, 1, device="cuda").half()
+    scale = torch.rand(1, xs[1], 1, 1, device="cuda").half() + 0.5
+    bias = torch.randn(1, xs[1], 1, 1, device="cuda").half()
     y_sbr = F.conv2d(torch.relu(x.float() * scale + bias).half(), w, stride=stride, padding=pad)
     ref_sbr = torch.stack([y_sbr.double().sum((0, 2, 3)), (y_sbr.double() ** 2).sum((0, 2, 3))])
     for stats, sbr in (("", None), ("genstats", None), ("reduce", None), ("genstats", (scale, bias))):
@@ -214,7 +216,8 @@ def main():
         print(json.dumps(row), flush=True)
         with open(os.path.join(args.out, "cudnn_genstats.json"), "w") as f:
             json.dump(rows, f, indent=1)
-    cols = ["aten_conv", "aten_stats", "fprop", "fprop+genstats", "fprop+reduce", "sbr+fprop+genstats", "aten_dgrad", "dgrad", "dgrad+sums"]
+    cols = ["aten_conv", "aten_stats", "fprop", "fprop+genstats", "fprop+reduce", "sbr+fprop+genstats", "aten_dgrad",
+            "dgrad", "dgrad+sums"]
     print(f"\n{torch.cuda.get_device_name()}, ResNet-50 bs{args.batch} fp16 channels_last; us per call")
     print(f"{'x':>20} {'w':>18} s  n " + " ".join(f"{c:>14}" for c in cols))
     total = collections.Counter()

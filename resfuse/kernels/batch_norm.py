@@ -17,9 +17,9 @@ channels_last, [N, C]. Three passes over memory, one kernel each:
      M2 = sum M2_i + sum n_i (mean_i - mean)^2, in fixed order, so results are bit-identical run to run (no
      atomics); writes save_mean, save_invstd, the new running stats and the per-channel scale and shift.
   3. the generated kernel (codegen.py, family "batch_norm"): acc = (x - mean) * scale + shift, the epilogue, y.
-Given `sums` (fp32 [2, C]: sum(x), sum(x * x) per channel, which cuDNN's conv computed in its epilogue,
-ops/conv_stats.py), passes 1 and 2 are one small kernel, `bn_finalize_sums_kernel`: the mean and M2 from the
-sums, and only for channels where M2 = sum(x^2) - sum(x)^2 / n cancelled too many bits, one exact pass over x.
+Given `sums` (fp32 [2, C]: sum(x), sum(x * x) per channel, which cuDNN's conv computed in its epilogue:
+ops/training.py's conv2d_stats, put in graphs by passes/conv_stats.py), passes 1 and 2 are one small kernel,
+`bn_finalize_sums_kernel`: the mean and M2 from the sums, and only for channels where M2 = sum(x^2) - sum(x)^2 / n cancelled too many bits, one exact pass over x.
 
 Return conventions: y has x's dtype, shape and strides (`out` if given, else torch.empty_like(x), made contiguous
 where x's strides are no [S, P, C] view, e.g. H and W swapped; such an x is read through a copy); save_mean and
@@ -150,9 +150,9 @@ def bn_finalize_sums_kernel(sums, x, ws, save_mean, save_invstd, w, b, rm, rv, r
                             HAS_RUNNING: tl.constexpr, PDL: tl.constexpr):
     """bn_finalize_kernel from given per-channel fp32 sums[0:C] = sum(x), sums[C:2C] = sum(x^2) (a conv's epilogue
     computed them) instead of the partials pass. M2 = sum(x^2) - sum(x)^2 / M cancels where the mean is large
-    against the spread: where sum(x^2) / M2 passes RECOMPUTE_PAST (6 bits lost), this program walks its channels' rows once,
-    summing d and d^2 with d = x - the sums' mean, as bn_partials_kernel does. Exact where it must be, free where
-    it need not."""
+    against the spread: where sum(x^2) / M2 passes RECOMPUTE_PAST (6 bits lost), this program walks its channels'
+    rows once, summing d and d^2 with d = x - the sums' mean, as bn_partials_kernel does. Exact where it must be,
+    free where it need not."""
     dependent_launch(PDL)
     offs_c = tl.program_id(0) * BC + tl.arange(0, BC)
     ok_c = offs_c < C

@@ -73,7 +73,8 @@ def _refusal(conv: fx.Node, provider: str) -> str | None:
             return ("deterministic algorithms are asked for, and genstats sums with atomics (its last bits vary "
                     "run to run)")
         if xv.shape[1] % 8:
-            return f"{xv.shape[1]} input channels (not a multiple of 8: cuDNN pads them in a kernel of its own)"
+            return (f"{xv.shape[1]} input channels, not a multiple of 8 (cuDNN had no conv + genstats engine for "
+                    f"ResNet's 3-channel stem)")
         from ..providers import cudnn
 
         return cudnn.conv_stats_refusal(xv, wv, yv.shape, yv.stride(), stride, padding, dilation)

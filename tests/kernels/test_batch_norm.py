@@ -276,7 +276,8 @@ def test_given_sums_match_aten_then_epilogue(data, shape, dtype, layout, affine,
         for g, v in zip(got[:2], ref[1:3]):
             assert_close(g, v, torch.float32)
         for g, v in zip(got[2:], want[2:]):
-            assert (g is None) == (v is None) and (g is None or torch.allclose(g.double(), v.double(), rtol=1e-4, equal_nan=True))
+            assert (g is None) == (v is None)
+            assert g is None or torch.allclose(g.double(), v.double(), rtol=1e-4, equal_nan=True)
         return
     tree, roles = data.draw(trees(kinds=("c", "nc", "full") if len(shape) > 2 else ("c", "full")))
     operands = [make_operand(role, kind, shape, 1, dtype, 0) for kind, role in roles]
