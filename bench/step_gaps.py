@@ -60,7 +60,10 @@ def analyse(step: list) -> dict:
         sizes[next((f"<{b}us" for b in (2, 5, 20, 100, 1000) if us < b), ">=1000us")] += us
     return {"span_us": end - start, "busy_us": busy, "idle_us": end - start - busy, "kernels": len(kernels),
             "first_idle_us": holes[0][0] if holes and holes[0][1] == "(marker)" else 0.0,
-            "idle_by_gap_size_us": dict(sizes), "longest": sorted(holes, reverse=True)[:15]}
+            "idle_by_gap_size_us": dict(sizes), "longest": sorted(holes, reverse=True)[:15],
+            "after_memsets": collections.Counter(b["name"][:80] for a, b in zip(kernels, kernels[1:])
+                                                 if a.get("cat") == "gpu_memset").most_common(12),
+            "short_kernels": collections.Counter(e["name"][:60] for e in kernels if e["dur"] < 3).most_common(30)}
 
 
 def host_ms(step, calls: int = 10) -> float:
@@ -89,7 +92,7 @@ def run_peer(job: str, peer: str, iters: int, out: str) -> dict:
     torch.cuda.synchronize()
     ms = train.step_ms(step, iters)
     mark = torch.zeros(MARK, device="cuda")
-    path = os.path.join(out, f"trace_{name}_bs{batch}_{peer}.json")
+    path = os.path.join(out, f"trace_{name}_bs{batch}_{peer.replace('+', '_')}.json")  # no '+': $OUT drops it
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
@@ -130,6 +133,8 @@ def main():
         print("  idle by gap size (us):", {k: round(v) for k, v in s["idle_by_gap_size_us"].items()})
         for us, before, after in s["longest"]:
             print(f"  {us:8.1f} us  after {before[:70]}  before {after[:70]}")
+        print("  kernels right after a memset:", s["after_memsets"])
+        print("  kernels under 3 us:", s["short_kernels"])
     print(f"\n{'peer':<26}{'event ms':>9}{'host ms':>9}{'span':>8}{'busy':>8}{'idle':>8}{'first':>8}{'ops':>6}")
     for peer, r in rows.items():
         s = r["steps"][-1]

@@ -76,6 +76,7 @@ def peers():
         "resfuse+graphs-eager-rest": lambda m: resfuse.compile(m, cuda_graphs=True, remainder="eager"),
         "resfuse+graphs-no-pdl": lambda m: resfuse.compile(m, cuda_graphs=True, pdl=False),
         "resfuse+graphs-no-conv-stats": lambda m: resfuse.compile(m, cuda_graphs=True, conv_stats=False),
+        "resfuse+graphs-no-pad": lambda m: resfuse.compile(m, cuda_graphs=True, pad_channels=False),
         "resfuse+graphs-no-sums": lambda m: resfuse.compile(m, cuda_graphs=True, bn_backward_sums=False),
         "resfuse+graphs-sums": lambda m: resfuse.compile(m, cuda_graphs=True, bn_backward_sums=True),
         "resfuse+graphs-no-pdl-no-sums": lambda m: resfuse.compile(m, cuda_graphs=True, pdl=False,
@@ -181,6 +182,7 @@ def run_job(name: str, batch: int, iters: int, profile: bool = False, only=()) -
                 row["adds_fused"] = {g: sum(f.graph == g and "add" in f.ops for f in report.fusions)
                                      for g in ("forward", "backward")}
                 row["errors"] = report.errors
+                row["rewrites"] = report.rewrites
                 row["paths"] = sorted({f"{f.anchor}:{f.ran}" for f in report.fusions})
                 reasons = collections.Counter(f"{r.graph}: {r.reason[:90]}" for r in report.rejected
                                               if "add" in r.op)

@@ -41,6 +41,10 @@ class Config:
     ("Run max-pool and its backward on resfuse's Triton kernels instead of ATen's, where the fused ops run on "
      "Triton; a relu gradient right after the pool's is applied on the way out, and an inference pool computes "
      "the monotone epilogue (batch norm, relu) of the conv it reads.")
+    pad_channels: bool = True
+    ("Where a conv left to cuDNN reads a 3-channel fp16 channels_last image (a CNN's stem), read it zero-padded to 4 "
+     "channels, cast from fp32 in the same pass, instead of letting cuDNN pad it in a pass of its own before the "
+     "conv and again before the weight gradient.")
     merge_linears: bool = True
     ("Merge linear layers that read the same input (attention's q, k and v) into one wider GEMM, before "
      "aot_autograd, so training's backward gets one data-gradient GEMM for them too.")

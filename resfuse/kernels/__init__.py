@@ -14,6 +14,7 @@ Entry points, called by ops/fused.py:
   batch_norm_backward(...)
   max_pool2d(...), max_pool2d_backward(...)          max pooling and its gradient (max_pool.py)
   max_pool2d_epilogue(...)                          max pooling of a monotone epilogue's value (max_pool.py)
+  pad_channels(x, out) -> out                       x's channels zero-padded to out's, cast (padding.py)
   set_options(interpret=..., cache_dir=..., split_k=..., pdl=...)   process-wide, set by resfuse.compile
 
 Triton decides at decoration time whether a kernel is compiled or interpreted, so the interpreter switch is
@@ -142,3 +143,9 @@ def max_pool2d_backward(grad_out, indices, kernel, stride, padding, dilation, gr
     and a mask that is the pool's input, the codes give relu's gradient."""
     from .max_pool import max_pool2d_backward as run
     return run(grad_out, indices, kernel, stride, padding, dilation, grad_input, mask, threshold, mask_is_input)
+
+
+def pad_channels(x, out):
+    """out[:, :C] = x (cast to out's dtype), out[:, C:] = 0, for a 4-D x of C channels."""
+    from .padding import pad_channels as run
+    return run(x, out)

@@ -16,6 +16,7 @@ from .add_to_output import add_to_output
 from .bn_backward import batch_norm_backward
 from .conv_stats import conv_stats
 from .match_epilogue import match_epilogue
+from .pad_channels import pad_channels
 from .permutes import sink_permutes
 from .pooling import max_pool
 from .report import Report
@@ -55,6 +56,7 @@ PASSES = [
     ("conv_stats", conv_stats),  # after the batch-norm fusions: hands their conv's sums to the final batch norms
     ("bn_backward", batch_norm_backward),  # after the fusions: its grad_out is their dgrad's output
     ("max_pool", max_pool),  # after the fusions, which never absorb a pool: its input is their output
+    ("pad_channels", pad_channels),  # after every fusion: pads the image of a conv left to cuDNN, no fused op's
     ("report", _collect),  # last: reads the final graph
 ]
 

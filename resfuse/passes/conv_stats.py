@@ -66,7 +66,7 @@ def _refusal(conv: fx.Node, provider: str) -> str | None:
         return "not a 2-D conv with known shapes"
     if bias is not None or transposed or groups != 1:
         return "a bias, a transposed or a grouped conv (conv + genstats is built for none of them)"
-    if _layout(yv) is None:
+    if legality.memory_format(yv) is None:
         return f"output strides {yv.stride()} are neither channels_last nor contiguous"
     if provider == "cudnn":
         if torch.are_deterministic_algorithms_enabled() or torch.backends.cudnn.deterministic:
@@ -81,18 +81,11 @@ def _refusal(conv: fx.Node, provider: str) -> str | None:
     return None
 
 
-def _layout(y: torch.Tensor) -> bool | None:
-    """True where y's strides are channels_last's, False where contiguous's, else None."""
-    for channels_last, fmt in ((True, torch.channels_last), (False, torch.contiguous_format)):
-        if legality.same_strides(y, torch.empty(y.shape, device="meta", memory_format=fmt)):
-            return channels_last
-    return None
-
-
 def _rewrite(conv: fx.Node, norms: list, provider: str) -> None:
     graph = conv.graph
     x, w, _bias, stride, padding, dilation = conv.args[:6]
-    args = (x, w, list(stride), list(padding), list(dilation), _layout(legality.val(conv)), provider)
+    channels_last = legality.memory_format(legality.val(conv)) == torch.channels_last
+    args = (x, w, list(stride), list(padding), list(dilation), channels_last, provider)
     with graph.inserting_before(conv):
         new = graph.call_function(CONV_STATS, args)
         y = graph.call_function(operator.getitem, (new, 0))

@@ -146,6 +146,14 @@ def same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
         sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()) if n != 1)
 
 
+def memory_format(t: torch.Tensor) -> torch.memory_format | None:
+    """channels_last or contiguous_format, where t's strides are theirs (a 4-D t); else None."""
+    for fmt in (torch.channels_last, torch.contiguous_format):
+        if t.dim() == 4 and same_strides(t, torch.empty(t.shape, device="meta", memory_format=fmt)):
+            return fmt
+    return None
+
+
 def promotes(add: fx.Node, producer_out: torch.Tensor) -> bool:
     """Is `add` a mixed-precision add whose fp32 result an fp16/bf16 producer can store directly?"""
     v = val(add)

@@ -1,0 +1,141 @@
+"""A 3-channel image's conv reads it padded to 4 channels, so that cuDNN does not pad it in a pass of its own.
+
+Entry point: `pad_channels(gm, ctx)`, the last rewrite (switch `pad_channels`), on every graph kind: it changes
+only the convs left to ATen (cuDNN), never a fused op's input.
+For an NHWC fp16 image of 3 channels (a CNN's stem), cuDNN's first-layer kernels take 4 channels: it pads the
+image itself (nhwcAddPadding, a pass over it, after a memset) before the forward conv and again before the
+weight gradient. Here aten.convolution and aten.convolution_backward read x and w through resfuse::pad_channels
+(ops/padding.py) instead, which zero-pads them to 4 channels, channels_last, and where x is autocast's cast of
+the fp32 image, casts in the same pass. The padded channel multiplies zeros, so y is unchanged (bit-identical on
+an H100), and the weight gradient's padded slice is dropped. On an H100 the ResNet-50 stem at bs256 took 398
+against 583 us forward and 417 against 578 us for the weight gradient (bench/stem_pad.py, BENCHMARKS.md).
+
+Rewritten where the conv is 2-D, groups 1, not transposed, its input fp16 and channels_last with 3 channels and
+at least MIN_PIXELS pixels (static shapes), on CUDA or under the interpreter (tests); a backward only where the
+input's gradient is not asked for (an image's never is: its padded copy would cost a pass to slice).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from . import legality
+from .group import fake_call
+
+aten = torch.ops.aten
+CONV, CONV_BACKWARD = aten.convolution.default, aten.convolution_backward.default
+PAD = torch.ops.resfuse.pad_channels.default
+CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+IMAGE_CHANNELS, PADDED_CHANNELS = 3, 4
+# Below about a million pixels (a batch of 21 at 224x224) the padding's launches cost more than cuDNN's pass:
+# at bs1 the stem's forward took 9.9 against 12.7 us, and each launch about 2-3 us (two: x and w).
+MIN_PIXELS = 1 << 20
+
+
+def pad_channels(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    if not ctx.config.pad_channels:
+        return gm
+    done = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (CONV, CONV_BACKWARD):
+            continue
+        x = node.args[0] if node.target is CONV else node.args[1]
+        xv = legality.val(x)
+        if xv is None or xv.dim() != 4 or xv.shape[1] != IMAGE_CHANNELS:
+            continue
+        provider = ctx.provider_for(x)
+        if provider != "triton":  # on CPU (no cuDNN, and no kernel of ours unless interpreted): nothing to gain
+            continue
+        why = _refusal(node, xv) or _rewrite(node, provider)
+        if why is None:
+            done.append(node.name)
+        elif (ctx.graph, node.name) not in ctx.report.rejected_by_node:  # a fusion's reason says more
+            ctx.reject(node, f"3-channel input not padded to 4 for cuDNN: {why}")
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+        ctx.report.rewrites.append(f"{ctx.graph} graph: {len(done)} conv(s) read their 3-channel input padded to "
+                                   f"4 channels ({', '.join(done)})")
+    return gm
+
+
+def _refusal(node: fx.Node, xv: torch.Tensor) -> str | None:
+    transposed, groups = node.args[6:9:2] if node.target is CONV else node.args[7:10:2]
+    if transposed or groups != 1:
+        return "a transposed or grouped conv"
+    n, _, h, w = xv.shape
+    if not all(isinstance(d, int) for d in (n, h, w)):
+        return "a dynamic shape (the gain depends on the image's size)"
+    if n * h * w < MIN_PIXELS:
+        return f"{n * h * w} pixels, under {MIN_PIXELS} (the padding's launches would cost more than they save)"
+    if xv.dtype != torch.float16:
+        return f"{xv.dtype} input (measured for fp16 only)"
+    if legality.memory_format(xv) != torch.channels_last:
+        return "the input is not channels_last (cuDNN's padding pass is NHWC's)"
+    if node.target is CONV_BACKWARD and (node.args[-1][0] or not node.args[-1][1]):
+        return ("the input's gradient is asked for (slicing its padded copy would cost a pass), or the weight's "
+                "is not")
+    return None
+
+
+def _rewrite(node: fx.Node, provider: str) -> str | None:
+    """Point the conv's x and w at padded copies; None, or why not (then the graph is as it was)."""
+    graph = node.graph
+    at = 0 if node.target is CONV else 1
+    before = node.meta["val"]
+    old = node.args[at:at + 2]
+    with graph.inserting_before(node):
+        padded = [_padded(graph, t, provider) for t in old]
+    node.update_arg(at, padded[0])
+    node.update_arg(at + 1, padded[1])
+    node.meta["val"] = fake_call(node.target, node.args)
+    outs = [before] if node.target is CONV else [before[1]]
+    new = [node.meta["val"]] if node.target is CONV else [node.meta["val"][1][:, :IMAGE_CHANNELS]]
+    if node.target is CONV_BACKWARD and legality.memory_format(before[1]) is None:
+        why = "the weight gradient's layout is neither channels_last nor contiguous"
+    elif not all(legality.same_strides(a, b) for a, b in zip(outs, new) if node.target is CONV):
+        why = "the conv's output would change layout"
+    else:
+        why = None
+    if why:
+        node.update_arg(at, old[0])
+        node.update_arg(at + 1, old[1])
+        node.meta["val"] = before
+        for p in padded:
+            graph.erase_node(p)
+        return why
+    if node.target is CONV_BACKWARD:
+        _slice_weight_grad(node, before[1])
+    for t in old:  # a cast that only the conv read: the pad casts now
+        if not t.users:
+            graph.erase_node(t)
+    return None
+
+
+def _padded(graph: fx.Graph, t: fx.Node, provider: str) -> fx.Node:
+    """resfuse::pad_channels of t, in t's dtype; reading the fp32 tensor where t is only a cast of it."""
+    src = t
+    if t.target in CASTS and len(t.users) == 1 and legality.val(t.args[0]) is not None \
+            and legality.val(t.args[0]).device == legality.val(t).device:
+        src = t.args[0]
+    new = graph.call_function(PAD, (src, PADDED_CHANNELS, legality.val(t).dtype, provider))
+    new.meta["val"] = fake_call(PAD, new.args)
+    return new
+
+
+def _slice_weight_grad(node: fx.Node, before: torch.Tensor) -> None:
+    """The weight gradient of 4 channels, back to the 3 and the layout the graph had."""
+    graph = node.graph
+    for get in [u for u in node.users if u.target is operator.getitem and u.args[1] == 1]:
+        with graph.inserting_after(get):
+            sliced = graph.call_function(aten.slice.Tensor, (get, 1, 0, IMAGE_CHANNELS))
+        with graph.inserting_after(sliced):
+            dense = graph.call_function(aten.clone.default, (sliced,),
+                                        {"memory_format": legality.memory_format(before)})
+        get.replace_all_uses_with(dense, delete_user_cb=lambda user: user is not sliced)
+        get.meta["val"] = node.meta["val"][1]
+        sliced.meta["val"] = fake_call(aten.slice.Tensor, sliced.args)
+        dense.meta["val"] = fake_call(lambda t: aten.clone.default(t, memory_format=dense.kwargs["memory_format"]),
+                                      dense.args)

@@ -1,0 +1,119 @@
+"""passes/pad_channels.py end to end under the interpreter: a 3-channel fp16 stem's conv reads its image and
+weight padded to 4 channels, in the forward, inference and weight-gradient graphs, and the numbers stay those of
+the float64 model; and each case the pass leaves alone is reported with its reason."""
+import copy
+import importlib
+
+import pytest
+import torch
+import torch.nn as nn
+
+import resfuse
+from resfuse.ops.fused import PATHS
+
+pass_module = importlib.import_module("resfuse.passes.pad_channels")  # the package's name is the pass function
+
+
+@pytest.fixture
+def any_size(monkeypatch):
+    """Small images under the interpreter: the pass's size threshold is a GPU launch-cost matter."""
+    monkeypatch.setattr(pass_module, "MIN_PIXELS", 0)
+
+
+class Stem(nn.Module):
+    """A ResNet stem under autocast's dtypes: the fp32 image cast to fp16 for the conv, the batch norm in fp32."""
+
+    def __init__(self, dtype=torch.float16):
+        super().__init__()
+        self.conv, self.bn, self.dtype = nn.Conv2d(3, 8, 7, 2, 3, bias=False).to(dtype), nn.BatchNorm2d(8), dtype
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x.to(self.dtype)).to(self.bn.weight.dtype))).square().mean((2, 3))
+
+
+def _step(model, x, **config):
+    model = copy.deepcopy(model)
+    compiled = resfuse.compile(model, interpret=x.device.type == "cpu", **config) if config else model
+    loss = compiled(x).sum()
+    loss.backward()
+    return loss.detach(), model.conv.weight.grad, getattr(compiled, "resfuse_report", None)
+
+
+def _image(n=2, h=19, w=21, layout=torch.channels_last):
+    return torch.randn(n, 3, h, w).contiguous(memory_format=layout)
+
+
+def _pad_rejections(report):
+    return [r.reason for r in report.rejected if "padded to 4" in r.reason]
+
+
+def test_training_stem_reads_its_image_padded_and_trains_like_float64(any_size):
+    torch.manual_seed(0)
+    model, x = Stem().to(memory_format=torch.channels_last), _image()
+    PATHS.clear()
+    loss, grad, report = _step(model, x, pad_channels=True)
+    assert PATHS[("pad_channels", "", "triton")] >= 4, PATHS  # x and w, forward and backward
+    assert any(r.startswith("forward graph: 1 conv(s) read their 3-channel") for r in report.rewrites), report.rewrites
+    assert any(r.startswith("backward graph: 1 conv(s) read their 3-channel") for r in report.rewrites)
+    reference = copy.deepcopy(model).double()
+    reference.dtype = torch.float64
+    loss64, grad64, _ = _step(reference, x.double())
+    assert grad.dtype == torch.float16 and grad.shape == (8, 3, 7, 7)
+    assert grad.stride() == model.conv.weight.stride()
+    assert torch.allclose(loss.double(), loss64, rtol=2e-3)
+    assert ((grad.double() - grad64).norm() / grad64.norm()).item() < 2e-3
+    off_loss, off_grad, off_report = _step(model, x, pad_channels=False)
+    assert not any("3-channel" in r for r in off_report.rewrites)
+    assert torch.allclose(loss, off_loss, rtol=1e-3) and torch.allclose(grad, off_grad, rtol=1e-2, atol=1e-2)
+
+
+def test_inference_stem_reads_its_image_padded(any_size, tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 7, 2, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(3, 2, 1))
+    model = model.eval()
+    for p in model.parameters():  # a trained batch norm, not the identity
+        p.data.uniform_(0.5, 1.5)
+    model.half().to(memory_format=torch.channels_last)
+    x = _image().half()
+    compiled = resfuse.compile(copy.deepcopy(model), interpret=True, debug_dump=str(tmp_path))
+    with torch.no_grad():
+        out = compiled(x)
+        ref = copy.deepcopy(model).double()(x.double())
+    graph = next(tmp_path.glob("inference-*-pad_channels.txt")).read_text()
+    conv = next(line for line in graph.splitlines() if "aten.convolution.default(" in line)
+    assert "convolution.default(pad_channels_default, pad_channels_default_1," in conv, graph
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-3
+
+
+@pytest.mark.parametrize("case", ["fp32", "nchw", "small", "input_grad"])
+def test_what_stays_unpadded_is_reported(case, monkeypatch):
+    torch.manual_seed(0)
+    if case != "small":
+        monkeypatch.setattr(pass_module, "MIN_PIXELS", 0)
+    model = Stem(torch.float32 if case == "fp32" else torch.float16)
+    x = _image(layout=torch.contiguous_format if case == "nchw" else torch.channels_last)
+    if case != "nchw":
+        model = model.to(memory_format=torch.channels_last)
+    x.requires_grad_(case == "input_grad")
+    _, _, report = _step(model, x, pad_channels=True)
+    reasons = _pad_rejections(report)
+    expected = {"fp32": "torch.float32 input", "nchw": "not channels_last", "small": "pixels, under",
+                "input_grad": "the input's gradient is asked for"}[case]
+    assert reasons and all(expected in r for r in reasons), reasons
+    padded = [r for r in report.rewrites if "3-channel" in r]
+    assert padded == (["forward graph: 1 conv(s) read their 3-channel input padded to 4 channels (convolution)"]
+                      if case == "input_grad" else []), report.rewrites
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
+def test_stem_on_cudnn_trains_alike_padded_or_not():
+    """At the real size threshold (24 images of 224x224), on cuDNN: the padded stem's step matches the unpadded."""
+    torch.manual_seed(0)
+    model, x = Stem().cuda().to(memory_format=torch.channels_last), _image(24, 224, 224).cuda()
+    PATHS.clear()
+    loss, grad, report = _step(model, x, pad_channels=True)
+    assert PATHS[("pad_channels", "", "triton")] >= 4, (PATHS, report.rewrites, _pad_rejections(report))
+    off_loss, off_grad, _ = _step(model, x, pad_channels=False)
+    assert torch.allclose(loss, off_loss, rtol=1e-4)
+    assert ((grad.double() - off_grad.double()).norm() / off_grad.double().norm()).item() < 1e-3
