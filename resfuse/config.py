@@ -73,6 +73,9 @@ class Config:
     remainder: str = "auto"
     ("What runs the ops no fusion absorbed: inductor (torch.compile's compiler fuses them, with our fused ops as "
      "calls), eager (ATen, op by op), or auto (inductor on CUDA, eager on CPU).")
+    combo_kernels: bool = False
+    ("In training graphs, let Inductor merge the remainder's independent small kernels (autocast's weight casts "
+     "and their gradients' casts back to fp32) into combo kernels (its experimental combo_kernels).")
     debug_dump: str | None = None
     "Folder to write the FX graph after each pass as NN-passname.txt (env RESFUSE_DUMP)."
 

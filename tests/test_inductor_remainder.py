@@ -72,9 +72,13 @@ def test_inference_through_inductor_matches_eager(compiled_graphs):
     assert {f.ran for f in report.fusions} == {"triton"} and len(report.fusions) >= 3
 
 
-def test_training_through_inductor_matches_eager(compiled_graphs):
+def test_training_through_inductor_matches_eager(compiled_graphs, monkeypatch):
     """Forward (batch-norm kernel, max-pool kernel) and backward (dgrads, batch-norm backward, the pool's
-    backward): gradients and running statistics equal eager's, with the remainder compiled by Inductor."""
+    backward): gradients and running statistics equal eager's, with the remainder compiled by Inductor, which
+    gets the forward's running-stat copies as one foreach copy."""
+    batched = []
+    batch = inductor.batched_input_updates
+    monkeypatch.setattr(inductor, "batched_input_updates", lambda gm: batched.append(batch(gm)) or batched[-1])
     torch.manual_seed(4)
     net = SqueezeExcite().train().to(memory_format=torch.channels_last)
     twin = copy.deepcopy(net)
@@ -93,6 +97,8 @@ def test_training_through_inductor_matches_eager(compiled_graphs):
     for (name, b), c in zip(net.named_buffers(), twin.buffers()):
         assert rel(b.float(), c.float()) < 1e-5, name
     assert "triton" in {f.ran for f in compiled.resfuse_report.fusions}
+    foreach = [n for gm in batched for n in gm.graph.nodes if n.target is torch.ops.aten._foreach_copy_.default]
+    assert len(foreach) == 1 and len(foreach[0].args[0]) == 2, [gm.code for gm in batched]  # running mean, var
 
 
 def test_a_remainder_inductor_refuses_runs_eagerly_and_says_why(monkeypatch):
@@ -183,3 +189,61 @@ def test_a_gemm_left_to_inductor_keeps_its_residual_add_there(remainder, monkeyp
         assert {r.op for r in left} == {"aten.addmm.default", "aten.add.Tensor"}
     else:
         assert left == [] and [f.pattern for f in report.fusions] == ["gemm_bias_add"]
+
+
+def test_closing_state_updates_become_one_foreach_copy_per_dtype():
+    """A training forward's closing copy_ run (running stats, counters) -> one _foreach_copy_ per dtype pair; the
+    graph updates the same inputs to the same values; a copy_ before the closing run stays."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(x, rm, rv, count, other):
+        other.copy_(x[:2] * 3)  # not in the closing run: another op follows it
+        y = x.sum() + other.sum()
+        new_rm, new_count, new_rv = rm * 0.9 + x[:3] * 0.1, count + 1, rv * 0.9 + x[3:6].square() * 0.1
+        rm.copy_(new_rm)  # aot_autograd's closing copies
+        count.copy_(new_count)
+        rv.copy_(new_rv)
+        return (y,)
+
+    def inputs():
+        torch.manual_seed(0)
+        return [torch.randn(8), torch.randn(3), torch.rand(3), torch.tensor(5), torch.zeros(2)]
+
+    gm = make_fx(step)(*inputs())
+    expected = inputs()
+    gm(*expected)
+    batched = inductor.batched_input_updates(make_fx(step)(*inputs()))
+    targets = [n.target for n in batched.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.aten._foreach_copy_.default) == 1  # the fp32 pair; the lone int64 copy stays
+    assert targets.count(torch.ops.aten.copy_.default) == 2
+    foreach = next(n for n in batched.graph.nodes if n.target is torch.ops.aten._foreach_copy_.default)
+    assert [a.name for a in foreach.args[0]] == ["rm_1", "rv_1"]
+    got = inputs()
+    out = batched(*got)
+    assert torch.equal(out[0], gm(*inputs())[0])
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+
+
+def test_combo_kernels_reach_inductor_for_training_graphs_only(monkeypatch):
+    from torch._inductor import config as inductor_config
+
+    seen = {}
+
+    def record(gm, example_inputs, graph):
+        seen[graph] = inductor_config.combo_kernels
+        raise RuntimeError("recorded")  # the eager remainder runs instead
+
+    monkeypatch.setattr(inductor, "compile_remainder", record)
+    net = SqueezeExcite().to(memory_format=torch.channels_last)
+    x = torch.randn(2, 6, 9, 7).to(memory_format=torch.channels_last)
+    for mode in ("train", "eval"):
+        torch._dynamo.reset()
+        compiled = resfuse.compile(getattr(copy.deepcopy(net), mode)(), interpret=True, remainder="inductor",
+                                   combo_kernels=True)
+        with torch.set_grad_enabled(mode == "train"):
+            out = compiled(x)
+        if mode == "train":
+            out.sum().backward()
+    assert seen == {"forward": True, "backward": True, "inference": False}
+    assert not inductor_config.combo_kernels

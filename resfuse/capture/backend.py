@@ -70,7 +70,10 @@ def build(gm: fx.GraphModule, example_inputs, config: Config, graph: str, report
     for it, else run eagerly, each fused op calling its Python implementation directly."""
     if inductor.wanted(config.remainder, example_inputs):
         try:
-            compiled = inductor.compile_remainder(gm, example_inputs, graph)
+            from torch._inductor import config as inductor_config
+
+            with inductor_config.patch(combo_kernels=config.combo_kernels and graph != "inference"):
+                compiled = inductor.compile_remainder(gm, example_inputs, graph)
         except Exception as e:  # Inductor could not take it: the eager remainder is always there
             report.notes.append(f"{graph} graph: Inductor refused the remainder, running it eagerly: "
                                 f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")

@@ -4,7 +4,8 @@ would run it, with our fused ops as calls it does not look into.
 Entry point: `compile_remainder(gm, example_inputs, graph)`, called by capture/backend.py on the rewritten graph.
 Our passes see the graph before decomposition (a batch norm is one node there, which is how they find it); the
 remainder is retraced here with Inductor's decompositions, where the fused ops are leaves traced through their
-fake implementations, then handed to Inductor's graph compiler. Inductor fuses what is left (an SE block's
+fake implementations, its closing state updates batched (`batched_input_updates`), then handed to Inductor's
+graph compiler. Inductor fuses what is left (an SE block's
 pooling and gating, layer norms, softmax, a backward's reductions) into its own kernels, reads and writes our
 ops' outputs in place, and calls our ops through the dispatcher.
 """
@@ -12,8 +13,12 @@ from __future__ import annotations
 
 from unittest import mock
 
+import collections
+
 import torch
 import torch.fx as fx
+
+aten = torch.ops.aten
 
 
 def wanted(config_remainder: str, example_inputs) -> bool:
@@ -51,5 +56,37 @@ def compile_remainder(gm: fx.GraphModule, example_inputs, graph: str):
     # characters of its message, so name the op only.
     op_only = staticmethod(lambda target, args, kwargs: f"  target: {target}")
     with mock.patch.object(OperatorIssue, "operator_str", op_only):
-        return compile_fx_inner(decomposed(gm, example_inputs), list(example_inputs), cudagraphs=BoxedBool(False),
+        return compile_fx_inner(batched_input_updates(decomposed(gm, example_inputs)), list(example_inputs),
+                                cudagraphs=BoxedBool(False),
                                 is_inference=graph == "inference", is_backward=graph == "backward")
+
+
+def batched_input_updates(gm: fx.GraphModule) -> fx.GraphModule:
+    """aot_autograd closes a graph that updates module state with one copy_ per updated input: in a ResNet-50
+    training forward, each batch norm's running mean, running var and num_batches_tracked, 159 copies of a few
+    hundred bytes, each its own Inductor kernel (about 1.5 us of launch and idle apiece in a CUDA graph). The
+    graph's closing run of such copies becomes one _foreach_copy_ per (destination dtype, source dtype), which
+    Inductor lowers to one foreach kernel: the same stores, the counters' `+ 1` computed inside it. Only the
+    closing run, so no op reads an input between its copy and the end; the refusal and CUDA-graph checks, which
+    read mutations from each node's schema, see the graph before this."""
+    graph = gm.graph
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    tail = []
+    node = output.prev
+    while (node.op == "call_function" and node.target is aten.copy_.default and len(node.args) == 2
+           and not node.kwargs and not node.users and node.args[0].op == "placeholder"):
+        tail.append(node)
+        node = node.prev
+    groups = collections.defaultdict(list)
+    for copy in reversed(tail):
+        groups[(copy.args[0].meta["val"].dtype, copy.args[1].meta["val"].dtype)].append(copy)
+    batched = [group for group in groups.values() if len(group) > 1]
+    for group in batched:
+        with graph.inserting_before(output):
+            graph.call_function(aten._foreach_copy_.default, ([c.args[0] for c in group], [c.args[1] for c in group]))
+        for copy in group:
+            graph.erase_node(copy)
+    if batched:
+        graph.lint()
+        gm.recompile()
+    return gm
