@@ -75,7 +75,8 @@ class Config:
      "calls), eager (ATen, op by op), or auto (inductor on CUDA, eager on CPU).")
     combo_kernels: bool = False
     ("In training graphs, let Inductor merge the remainder's independent small kernels (autocast's weight casts "
-     "and their gradients' casts back to fp32) into combo kernels (its experimental combo_kernels).")
+     "and their gradients' casts back to fp32) into combo kernels (its experimental combo_kernels). Off: worth "
+     "0.09 ms of a 35 ms ResNet-50 bs256 step on an H100, and measured on no other model.")
     debug_dump: str | None = None
     "Folder to write the FX graph after each pass as NN-passname.txt (env RESFUSE_DUMP)."
 

@@ -5,15 +5,14 @@ Entry point: `compile_remainder(gm, example_inputs, graph)`, called by capture/b
 Our passes see the graph before decomposition (a batch norm is one node there, which is how they find it); the
 remainder is retraced here with Inductor's decompositions, where the fused ops are leaves traced through their
 fake implementations, its closing state updates batched (`batched_input_updates`), then handed to Inductor's
-graph compiler. Inductor fuses what is left (an SE block's
-pooling and gating, layer norms, softmax, a backward's reductions) into its own kernels, reads and writes our
-ops' outputs in place, and calls our ops through the dispatcher.
+graph compiler. Inductor fuses what is left (an SE block's pooling and gating, layer norms, softmax, a backward's
+reductions) into its own kernels, reads and writes our ops' outputs in place, and calls our ops through the
+dispatcher.
 """
 from __future__ import annotations
 
-from unittest import mock
-
 import collections
+from unittest import mock
 
 import torch
 import torch.fx as fx

@@ -1,7 +1,7 @@
 """A 4-D image's channels zero-padded to a wider count, cast on the way: out[n, c, h, w] = x[n, c, h, w] for
 c < C, else 0, in out's dtype and layout.
 
-Entry point: `pad_channels(x, out)`, reached through resfuse.kernels (ops/fused.py's pad_channels op, which
+Entry point: `pad_channels(x, out)`, reached through resfuse.kernels (ops/padding.py's pad_channels op, which
 passes/pad_channels.py puts ahead of a 3-channel conv). cuDNN pads a 3-channel NHWC fp16 image to 4 channels
 itself, in a pass of its own (nhwcAddPadding) before each first-layer conv and weight gradient; reading the
 image already padded skips that pass and its memset. This kernel does the padding in the pass that already

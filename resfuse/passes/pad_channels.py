@@ -74,9 +74,12 @@ def _refusal(node: fx.Node, xv: torch.Tensor) -> str | None:
         return f"{xv.dtype} input (measured for fp16 only)"
     if legality.memory_format(xv) != torch.channels_last:
         return "the input is not channels_last (cuDNN's padding pass is NHWC's)"
-    if node.target is CONV_BACKWARD and (node.args[-1][0] or not node.args[-1][1]):
-        return ("the input's gradient is asked for (slicing its padded copy would cost a pass), or the weight's "
-                "is not")
+    if node.target is CONV_BACKWARD:
+        if node.args[-1][0] or not node.args[-1][1]:
+            return ("the input's gradient is asked for (slicing its padded copy would cost a pass), or the "
+                    "weight's is not")
+        if legality.memory_format(node.meta["val"][1]) is None:
+            return "the weight gradient's layout is neither channels_last nor contiguous"
     return None
 
 
@@ -91,21 +94,13 @@ def _rewrite(node: fx.Node, provider: str) -> str | None:
     node.update_arg(at, padded[0])
     node.update_arg(at + 1, padded[1])
     node.meta["val"] = fake_call(node.target, node.args)
-    outs = [before] if node.target is CONV else [before[1]]
-    new = [node.meta["val"]] if node.target is CONV else [node.meta["val"][1][:, :IMAGE_CHANNELS]]
-    if node.target is CONV_BACKWARD and legality.memory_format(before[1]) is None:
-        why = "the weight gradient's layout is neither channels_last nor contiguous"
-    elif not all(legality.same_strides(a, b) for a, b in zip(outs, new) if node.target is CONV):
-        why = "the conv's output would change layout"
-    else:
-        why = None
-    if why:
+    if node.target is CONV and not legality.same_strides(before, node.meta["val"]):
         node.update_arg(at, old[0])
         node.update_arg(at + 1, old[1])
         node.meta["val"] = before
         for p in padded:
             graph.erase_node(p)
-        return why
+        return "the conv's output would change layout"
     if node.target is CONV_BACKWARD:
         _slice_weight_grad(node, before[1])
     for t in old:  # a cast that only the conv read: the pad casts now
