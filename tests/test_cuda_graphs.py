@@ -317,57 +317,6 @@ def test_dependent_launches_in_a_graph_wait_for_their_producer():
 
 @pytest.mark.requires_cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
-def test_batch_norm_backward_finishes_in_its_partials_pass_eager_and_in_a_graph():
-    """The partials pass's last program per channel block finalizes (tickets.py), with hundreds of splits racing
-    for each ticket: eager and replayed from a CUDA graph (its own tickets), two plans and one plan twice in a
-    row, each result equal to aten's float64 backward, bit-identical from replay to replay, and every ticket back
-    at zero."""
-    from resfuse import kernels
-    from resfuse.kernels import batch_norm_bwd, tickets
-
-    kernels.set_options(pdl=True)
-    torch.manual_seed(0)
-    dev = torch.device("cuda")
-
-    def inputs(n, c, hw):
-        x = torch.randn(n, c, hw, hw, device=dev).half().to(memory_format=torch.channels_last)
-        g = torch.randn_like(x)
-        x64 = x.double()
-        mean, var = x64.mean((0, 2, 3)), x64.var((0, 2, 3), unbiased=False)
-        return g, x, torch.rand(c, device=dev) + 0.5, mean.float(), (var + 1e-5).rsqrt().float()
-
-    cases = [inputs(64, 64, 56), inputs(64, 64, 56), inputs(32, 2048, 7)]  # plan A twice, then plan B
-    mask = (True, True, True)
-
-    def run_all():
-        return [kernels.batch_norm_backward(*case[:2], *case[2:], mask) for case in cases]
-
-    def check(results):
-        for (g, x, w, m, istd), got in zip(cases, results):
-            want = torch.ops.aten.native_batch_norm_backward(g.double(), x.double(), w.double(), None, None,
-                                                             m.double(), istd.double(), True, 1e-5, list(mask))
-            for a, b in zip(got, want):
-                assert rel(a.double(), b) < 2e-3
-
-    eager = run_all()
-    assert max(p.splits for p in batch_norm_bwd._PLANS.values()) > 100
-    check(eager)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graphed = run_all()
-    for _ in range(3):
-        for outs in graphed:
-            for t in outs:
-                t.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        check(graphed)
-        assert all(torch.equal(a, b) for outs, ref in zip(graphed, eager) for a, b in zip(outs, ref))
-    assert not tickets._pools[dev].any()
-
-
-@pytest.mark.requires_cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
 def test_fp16_training_steps_take_the_statistics_from_the_conv():
     """Under autocast the convs feeding batch norms run cuDNN's conv + genstats (when nvidia-cudnn-frontend is
     installed), replayed through CUDA graph trees: losses, weights and running stats track eager's."""

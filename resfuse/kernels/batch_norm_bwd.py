@@ -1,6 +1,5 @@
 """Training batch-norm backward: what aten.native_batch_norm_backward(grad_out, x, weight, ..., save_mean,
-save_invstd, True, eps, output_mask) computes, in three
-deterministic passes over memory (two kernels).
+save_invstd, True, eps, output_mask) computes, in three deterministic passes over memory.
 
 Entry point: `batch_norm_backward(grad_out, x, weight, save_mean, save_invstd, output_mask, grad_input=None,
 config=None, sums=None, second=None) -> (grad_input, grad_weight, grad_bias)`, reached through resfuse.kernels
@@ -12,15 +11,12 @@ three gradients, and passes 1 and 3 read grad_out once for the two.
 With g = grad_out, xmu = x - save_mean and M = N * H * W rows per channel:
   1. `bnb_partials_kernel`, grid (row splits, channel blocks): per split, sum(g) and sum(g * xmu), added up in
      per-lane fp32 registers and summed over the lanes once at the end (the statistics pass's shape, batch_norm.py).
-  2. the finalize (`_bnb_finish`): adds the splits up in a fixed order (so the result is bit-identical run to run,
-     whatever order the splits finish in); grad_bias = sum(g), grad_weight = sum(g * xmu) * invstd; and the
-     per-channel coefficients of grad_input = a * g + b * xmu + c, with a = weight * invstd, b = -a * invstd^2 *
-     sum(g * xmu) / M and c = -a * sum(g) / M (ATen's batch_norm_backward_elemt, rearranged). Pass 1's program that
-     stores a channel block's last split runs it for that block, elected by a zero-at-rest ticket (tickets.py);
-     `bnb_finalize_kernel`, grid (channel blocks), runs it where no ticket could be had.
+  2. `bnb_finalize_kernel`, grid (channel blocks): adds the splits up in a fixed order (no atomics, so the result
+     is bit-identical run to run); grad_bias = sum(g), grad_weight = sum(g * xmu) * invstd; and the per-channel
+     coefficients of grad_input = a * g + b * xmu + c, with a = weight * invstd, b = -a * invstd^2 * sum(g * xmu)
+     / M and c = -a * sum(g) / M (ATen's batch_norm_backward_elemt, rearranged).
      With `sums` (fp32 [2, C]: sum(g), sum(g * xmu)), which grad_out's producer computed in its epilogue
-     (a bn_stats root, passes/bn_backward.py), pass 1 is skipped and bnb_finalize_kernel reads those as a single
-     split.
+     (a bn_stats root, passes/bn_backward.py), pass 1 is skipped and finalize reads those as a single split.
   3. `bnb_apply_kernel`, one program per tile of rows and channels, the channel blocks of a row tile one after
      another (so together they read whole rows of a channels_last tensor), from the last rows to the first
      (elementwise.py says why): reads g and x once more and writes grad_input.
@@ -42,7 +38,6 @@ import triton.language as tl
 from .. import epilogue as epi
 from .activations import sum_rows
 from .batch_norm import _DTYPES, TILE, BnConfig, _is_view3, _row_offsets, row_splits
-from . import tickets
 from .plan import pdl_meta, plan_key
 from .tiles import cdiv, dependent_launch
 
@@ -50,14 +45,9 @@ from .tiles import cdiv, dependent_launch
 
 @triton.jit
 def bnb_partials_kernel(g, x, mean, x2, mean2, part, M, C, RPS, s_gs, s_gp, s_gc, s_xs, s_xp, s_xc, TILES_PER_SPLIT,
-                        SPLITS, tickets, coef, invstd, w, grad_w, grad_b, coef2, invstd2, w2, grad_w2, grad_b2,
-                        BP: tl.constexpr, BC: tl.constexpr, DUAL: tl.constexpr, FINISH: tl.constexpr,
-                        BR: tl.constexpr, HAS_W: tl.constexpr, HAS_W2: tl.constexpr, WANT_W: tl.constexpr,
-                        WANT_B: tl.constexpr, PDL: tl.constexpr):
+                        SPLITS, BP: tl.constexpr, BC: tl.constexpr, DUAL: tl.constexpr, PDL: tl.constexpr):
     """sum(g), sum(g * (x - mean)) and, where DUAL, sum(g * (x2 - mean2)) of one split of rows for BC channels,
-    into part[k * SPLITS * C + split * C + c] for k = 0, 1, 2. Where FINISH, the program that stores its channel
-    block's last split also does bnb_finalize_kernel's work for that block (for both batch norms where DUAL):
-    `tickets` holds a zero-at-rest counter a channel block (tickets.py), which that program resets."""
+    into part[k * SPLITS * C + split * C + c] for k = 0, 1, 2."""
     dependent_launch(PDL)
     pid_r = tl.program_id(0)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -86,44 +76,25 @@ def bnb_partials_kernel(g, x, mean, x2, mean2, part, M, C, RPS, s_gs, s_gp, s_gc
     tl.store(out + SPLITS * C, sum_rows(s_gx), mask=ok_c)
     if DUAL:
         tl.store(out + 2 * SPLITS * C, sum_rows(s_gx2), mask=ok_c)
-    if FINISH:  # one launch fewer a batch norm: 0.27 ms of a ResNet-50 bs256 step's timeline on an H100 was finalizes
-        # All threads' partial stores must be issued before one thread's release of the ticket (split_k.py).
-        tl.debug_barrier()
-        arrived = tl.atomic_add(tickets + tl.program_id(1), 1, sem="acq_rel")
-        if arrived == SPLITS - 1:
-            _bnb_finish(coef, part, part + SPLITS * C, invstd, w, grad_w, grad_b, offs_c, ok_c, M, C, SPLITS, BR, BC,
-                        HAS_W, WANT_W, WANT_B)
-            if DUAL:
-                _bnb_finish(coef2, part, part + 2 * SPLITS * C, invstd2, w2, grad_w2, grad_b2, offs_c, ok_c, M, C,
-                            SPLITS, BR, BC, HAS_W2, WANT_W, WANT_B)
-            tl.atomic_xchg(tickets + tl.program_id(1), 0)  # zero at rest, for the next launch
 
 
 @triton.jit
 def bnb_finalize_kernel(ws, part_g, part_gx, invstd, w, grad_w, grad_b, M, C, SPLITS,
                         BC: tl.constexpr, BR: tl.constexpr, HAS_W: tl.constexpr, WANT_W: tl.constexpr,
                         WANT_B: tl.constexpr, PDL: tl.constexpr):
-    """_bnb_finish for BC channels a program: the path without tickets, and the one from given sums."""
+    """Add the splits up for BC channels (part_g[r*C + c] and part_gx[r*C + c], r < SPLITS); write the
+    parameter gradients and ws[0:3C] = (a, b, c)."""
     dependent_launch(PDL)
     offs_c = tl.program_id(0) * BC + tl.arange(0, BC)
-    _bnb_finish(ws, part_g, part_gx, invstd, w, grad_w, grad_b, offs_c, offs_c < C, M, C, SPLITS, BR, BC, HAS_W,
-                WANT_W, WANT_B)
-
-
-@triton.jit
-def _bnb_finish(ws, part_g, part_gx, invstd, w, grad_w, grad_b, offs_c, ok_c, M, C, SPLITS, BR: tl.constexpr,
-                BC: tl.constexpr, HAS_W: tl.constexpr, WANT_W: tl.constexpr, WANT_B: tl.constexpr):
-    """Add the splits up for channels offs_c (part_g[r*C + c] and part_gx[r*C + c], r < SPLITS, in fixed order);
-    write the parameter gradients and ws[0:3C] = (a, b, c)."""
+    ok_c = offs_c < C
     acc_g = tl.full([BR, BC], 0.0, dtype=tl.float32)
     acc_gx = tl.full([BR, BC], 0.0, dtype=tl.float32)
     for r0 in range(0, SPLITS, BR):
         r = r0 + tl.arange(0, BR)
         ok = (r < SPLITS)[:, None] & ok_c[None, :]
         at = r[:, None] * C + offs_c[None, :]
-        # .cg reads through L2, where other programs of the same launch left their partials, not a stale L1 line
-        acc_g += tl.load(part_g + at, mask=ok, other=0.0, cache_modifier=".cg")
-        acc_gx += tl.load(part_gx + at, mask=ok, other=0.0, cache_modifier=".cg")
+        acc_g += tl.load(part_g + at, mask=ok, other=0.0)
+        acc_gx += tl.load(part_gx + at, mask=ok, other=0.0)
     sum_g = sum_rows(acc_g)
     sum_gx = sum_rows(acc_gx)
     istd = tl.load(invstd + offs_c, mask=ok_c, other=0.0).to(tl.float32)
@@ -182,7 +153,6 @@ class _BnbPlan:
     tiles_per_split: int
     splits: int
     finalize_c: int
-    finish_r: int  # partials per step in the partials pass's finish (rows of a BC-channel tile)
     pdl: dict  # plan.pdl_meta's options for the three kernels
 
     def run(self, g, norms, mask, sums=None):
@@ -199,29 +169,24 @@ class _BnbPlan:
         ws = torch.empty(n_coef + (0 if sums is not None else (1 + len(norms)) * splits * self.c), **f32)
         cfg, blocks_c = self.cfg, triton.cdiv(self.c, self.cfg.block_c)
         second = norms[-1]
-        coefs, grads = [ws[3 * self.c * k:] for k in range(len(norms))], []
-        for n in norms:
-            grad_dtype = n.weight.dtype if n.weight is not None else n.x.dtype  # what aten returns
-            grads.append([torch.empty(self.c, dtype=grad_dtype, device=x.device) if m else None for m in mask[1:]])
-        # per batch norm: what the finalize takes (absent tensors stand in as ws, their kernel branches compiled out)
-        finish = [(coefs[k], n.save_invstd, *(t if t is not None else ws for t in (n.weight, *grads[k])))
-                  for k, n in enumerate(norms)]
-        flags = {"WANT_W": bool(mask[1]), "WANT_B": bool(mask[2]), **self.pdl}
-        ticket = tickets.take(x.device, id(self), blocks_c) if sums is None else None
         if sums is None:
             bnb_partials_kernel[(splits, blocks_c)](
                 g, x, norms[0].save_mean, second.x, second.save_mean, ws[n_coef:], self.m, self.c, self.rps,
-                *self.strides[:6], self.tiles_per_split, splits, ticket if ticket is not None else ws, *finish[0],
-                *finish[-1], BP=cfg.block_p, BC=cfg.block_c, DUAL=dual, FINISH=ticket is not None,
-                BR=self.finish_r, HAS_W=norms[0].weight is not None, HAS_W2=second.weight is not None,
-                num_warps=cfg.num_warps, **flags)
+                *self.strides[:6], self.tiles_per_split, splits, BP=cfg.block_p, BC=cfg.block_c, DUAL=dual,
+                num_warps=cfg.num_warps, **self.pdl)
         part = sums.view(-1) if sums is not None else ws[n_coef:]
-        for k, n in enumerate(norms if ticket is None else []):
+        results, coefs = [], []
+        for k, n in enumerate(norms):
+            grad_dtype = n.weight.dtype if n.weight is not None else n.x.dtype  # what aten returns
+            grad_w = torch.empty(self.c, dtype=grad_dtype, device=x.device) if mask[1] else None
+            grad_b = torch.empty(self.c, dtype=grad_dtype, device=x.device) if mask[2] else None
+            coefs.append(ws[3 * self.c * k:])
             bnb_finalize_kernel[(triton.cdiv(self.c, self.finalize_c),)](
-                finish[k][0], part, part[(1 + k) * splits * self.c:], *finish[k][1:], self.m, self.c, splits,
-                BC=self.finalize_c, BR=cfg.block_r, HAS_W=n.weight is not None, **flags)
-        results = [r for n, (grad_w, grad_b) in zip(norms, grads) for r in (n.grad_input if mask[0] else None,
-                                                                          grad_w, grad_b)]
+                coefs[k], part, part[(1 + k) * splits * self.c:], n.save_invstd,
+                *(t if t is not None else ws for t in (n.weight, grad_w, grad_b)), self.m, self.c, splits,
+                BC=self.finalize_c, BR=cfg.block_r, HAS_W=n.weight is not None, WANT_W=bool(mask[1]),
+                WANT_B=bool(mask[2]), **self.pdl)
+            results += [n.grad_input if mask[0] else None, grad_w, grad_b]
         if mask[0]:
             bnb_apply_kernel[(triton.cdiv(self.m, cfg.block_p) * blocks_c,)](
                 g, x, norms[0].save_mean, coefs[0], norms[0].grad_input, second.x, second.save_mean, coefs[-1],
@@ -305,6 +270,5 @@ def _plan(g, norms, mask, config) -> _BnbPlan:
     rps = x3.shape[1]
     cfg, m, tiles_per_split, splits = row_splits(x3, x.device, config)
     finalize_c = min(cfg.block_c, max(1, TILE // cfg.block_r))
-    finish_r = min(triton.next_power_of_2(splits), max(1, TILE // cfg.block_c))
     return _BnbPlan(m, c, rps, copy, (*g3.stride(), *x3.stride(), *o3.stride()), cfg, tiles_per_split, splits,
-                    finalize_c, finish_r, pdl_meta(x.device))
+                    finalize_c, pdl_meta(x.device))

@@ -1,17 +1,12 @@
 """Training batch-norm backward under the interpreter against aten.native_batch_norm_backward in float64: the
 three gradients, layouts (grad_out and x in different ones), ragged shapes, output masks, no weight, NaN/Inf,
-determinism, a mean far from 0, the statistics the forward kernel saved, and the finalize both in the partials
-pass (a ticket's last program) and as its own kernel."""
-import contextlib
-from unittest import mock
-
+determinism, a mean far from 0, and the statistics the forward kernel saved."""
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from resfuse import kernels
-from resfuse.kernels import batch_norm_bwd, tickets
 from resfuse.kernels.batch_norm import BnConfig
 
 from .epilogues import assert_close, with_layout
@@ -37,11 +32,6 @@ def _inputs(shape, dtype, layout_x, layout_g, weight=True, param_dtype=torch.flo
     save_invstd = (x64.var(dims, unbiased=False) + 1e-5).rsqrt().float()
     w = (torch.rand(c) + 0.5).to(param_dtype) if weight else None
     return g, x, w, save_mean, save_invstd
-
-
-def _finish(in_partials: bool):
-    """The partials pass finishes each channel block (its tickets' last program), or bnb_finalize_kernel does."""
-    return contextlib.nullcontext() if in_partials else mock.patch.object(tickets, "take", lambda *a: None)
 
 
 def _aten64(g, x, w, save_mean, save_invstd, mask):
@@ -73,14 +63,12 @@ def _check(res, g, x, w, save_mean, save_invstd, mask):
 @settings(max_examples=60, deadline=None)
 @given(shape=SHAPES, dtype=st.sampled_from(DTYPES), layout_x=st.sampled_from(LAYOUTS),
        layout_g=st.sampled_from(LAYOUTS), weight=st.booleans(), same_param_dtype=st.booleans(),
-       mask=st.tuples(st.booleans(), st.booleans(), st.booleans()), config=st.sampled_from(CONFIGS),
-       in_partials=st.booleans())
-def test_matches_aten(shape, dtype, layout_x, layout_g, weight, same_param_dtype, mask, config, in_partials):
+       mask=st.tuples(st.booleans(), st.booleans(), st.booleans()), config=st.sampled_from(CONFIGS))
+def test_matches_aten(shape, dtype, layout_x, layout_g, weight, same_param_dtype, mask, config):
     g, x, w, save_mean, save_invstd = _inputs(shape, dtype, layout_x, layout_g, weight,
                                               dtype if same_param_dtype else torch.float32)
     before = [t.clone() for t in (g, x)]
-    with _finish(in_partials):
-        res = _run(g, x, w, save_mean, save_invstd, mask, config)
+    res = _run(g, x, w, save_mean, save_invstd, mask, config)
     assert torch.equal(before[0], g) and torch.equal(before[1], x), "an input was written"
     _check(res, g, x, w, save_mean, save_invstd, mask)
 
@@ -147,18 +135,15 @@ def test_bit_identical_across_runs(config):
 @settings(max_examples=40, deadline=None)
 @given(shape=SHAPES, dtype=st.sampled_from(DTYPES), layout_x=st.sampled_from(LAYOUTS),
        layout_g=st.sampled_from(LAYOUTS), layout_x2=st.sampled_from(LAYOUTS), weights=st.tuples(st.booleans(),
-       st.booleans()), mask=st.tuples(st.booleans(), st.booleans(), st.booleans()), config=st.sampled_from(CONFIGS),
-       in_partials=st.booleans())
-def test_two_batch_norms_of_one_grad_out(shape, dtype, layout_x, layout_g, layout_x2, weights, mask, config,
-                                         in_partials):
+       st.booleans()), mask=st.tuples(st.booleans(), st.booleans(), st.booleans()), config=st.sampled_from(CONFIGS))
+def test_two_batch_norms_of_one_grad_out(shape, dtype, layout_x, layout_g, layout_x2, weights, mask, config):
     """A downsampling block's main and shortcut batch norms share grad_out: one set of passes gives both their
     gradients, each equal to its own backward in float64. x2 at other strides than x runs the two one by one."""
     g, x, w, m, istd = _inputs(shape, dtype, layout_x, layout_g, weights[0])
     _, x2, w2, m2, istd2 = _inputs(shape, dtype, layout_x2, layout_g, weights[1], torch.float16, mean=-3.0)
     dx, dx2 = (torch.full_like(t, float("nan")) if mask[0] else None for t in (x, x2))
     before = [t.clone() for t in (g, x, x2)]
-    with _finish(in_partials):
-        res = kernels.batch_norm_backward(g, x, w, m, istd, mask, dx, config, second=(x2, w2, m2, istd2, dx2))
+    res = kernels.batch_norm_backward(g, x, w, m, istd, mask, dx, config, second=(x2, w2, m2, istd2, dx2))
     assert all(torch.equal(a, b) for a, b in zip(before, (g, x, x2))), "an input was written"
     assert len(res) == 6 and (not mask[0] or (res[0] is dx and res[3] is dx2))
     _check(res[:3], g, x, w, m, istd, mask)
@@ -175,50 +160,6 @@ def test_two_batch_norms_give_what_each_gives_alone():
     alone = (*_run(g, x, w, m, istd, mask), *_run(g, x2, w2, m2, istd2, mask))
     for a, b in zip(both, alone):
         assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("second", [False, True])
-def test_partials_pass_finishes_and_leaves_its_tickets_at_zero(second):
-    """With tickets the finalize kernel never launches: many splits' last program finishes each channel block,
-    and resets its ticket, so the next launch of the same plan elects its own last program."""
-    torch.manual_seed(6)
-    config, shape = BnConfig(4, 4, 7, 4), (3, 10, 5, 6)  # 7 splits of 90 rows, 3 channel blocks (the last ragged)
-    g, x, w, m, istd = _inputs(shape, torch.float32, "channels_last", "channels_last")
-    _, x2, w2, m2, istd2 = _inputs(shape, torch.float32, "channels_last", "channels_last", mean=-2.0)
-    mask = (True, True, True)
-    refused = mock.Mock(__getitem__=mock.Mock(side_effect=AssertionError("bnb_finalize_kernel launched")))
-    with mock.patch.object(batch_norm_bwd, "bnb_finalize_kernel", refused), \
-            mock.patch.object(batch_norm_bwd, "torch", _PoisonedEmpty()):
-        for _ in range(2):
-            res = kernels.batch_norm_backward(g, x, w, m, istd, mask, None, config,
-                                              second=(x2, w2, m2, istd2, None) if second else None)
-            _check(res[:3], g, x, w, m, istd, mask)
-            if second:
-                _check(res[3:], g, x2, w2, m2, istd2, mask)
-    assert not tickets._pools[x.device].any(), "a ticket was left nonzero"
-
-
-class _PoisonedEmpty:
-    """torch, but torch.empty's float tensors are NaN: a finalize that reads a split before it is stored fails."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    def empty(self, *args, **kwargs):
-        t = torch.empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-
-def test_tickets_are_kept_per_plan_and_refused_when_spent(monkeypatch):
-    cpu = torch.device("cpu")
-    monkeypatch.setattr(tickets, "_pools", {})
-    monkeypatch.setattr(tickets, "_used", {})
-    monkeypatch.setattr(tickets, "_slots", {})
-    monkeypatch.setattr(tickets, "POOL", 10)
-    a, b = tickets.take(cpu, "a", 4), tickets.take(cpu, "b", 4)
-    assert a.dtype == torch.int32 and not a.any() and a.data_ptr() != b.data_ptr()
-    assert tickets.take(cpu, "a", 4) is a  # a plan keeps its slots on a stream
-    assert tickets.take(cpu, "c", 4) is None  # 8 of 10 slots are taken
 
 
 def test_bad_arguments_are_refused():
