@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 from torch.fx.graph import _BoxedCodeGen
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import default_partition
 
 from .. import kernels
 from ..config import Config
@@ -23,6 +24,7 @@ from ..passes import PassContext, run_passes
 from ..passes.attention_mask import contiguous_attention_masks, drop_all_true_masks
 from ..passes.liveness import peak_bytes
 from ..passes.merge_linears import merge_linears
+from ..passes.pad_channels import pad_channels_joint
 from ..passes.report import Report
 from ..tuning.progress import PROGRESS
 from . import cuda_graphs, inductor
@@ -125,6 +127,19 @@ def closing_progress(fn, fused: int):
     return run
 
 
+def partition(joint: fx.GraphModule, joint_inputs, *, config: Config, report: Report, **options):
+    """aot_autograd's default partition of a training step's joint graph, after the rewrites that must see the
+    forward and the backward together (what the forward saves for the backward)."""
+    original = fx.GraphModule(joint, copy.deepcopy(joint.graph))
+    try:
+        joint = pad_channels_joint(joint, PassContext(config, "joint", report))
+    except Exception as e:  # never crash the user's model: partition the graph as it was captured, and say why
+        report.errors.append(f"joint graph: rewrite failed, partitioning it as captured: {type(e).__name__}: {e}")
+        warnings.warn(f"resfuse: {report.errors[-1]}")
+        joint = original
+    return default_partition(joint, joint_inputs, **options)
+
+
 def make_backend(config: Config, report: Report, run_graph: bool = True):
     # The interpreter is a process-wide Triton mode: a config can turn it on, never off again. Without it,
     # fused ops on CPU tensors take the reference path (PassContext.provider_for).
@@ -146,6 +161,7 @@ def make_backend(config: Config, report: Report, run_graph: bool = True):
         lower = aot_autograd(fw_compiler=functools.partial(step, graph="forward"),
                              bw_compiler=functools.partial(step, graph="backward"),
                              inference_compiler=functools.partial(step, graph="inference"),
+                             partition_fn=functools.partial(partition, config=config, report=report),
                              keep_inference_input_mutations=True)
         return lower(gm, example_inputs)
 
