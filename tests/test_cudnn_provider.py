@@ -20,12 +20,17 @@ def _conv_call(sig="relu(add(acc,c0))", device="cpu"):
 def test_refusals_say_why():
     gemm = Call("gemm", (torch.randn(3, 4), torch.randn(4, 5)), [], "relu(acc)", ([3, 5],),
                 Output.of([3, 5], torch.float32, torch.device("cpu")))
-    assert "conv2d forward only" in cudnn.refusal(gemm)
+    assert "conv2d forward and data gradient only" in cudnn.refusal(gemm)
     assert "CUDA device" in cudnn.refusal(_conv_call())
     if cudnn._cudnn() is None:
         assert cudnn.refusal(_conv_call()) is not None
     assert "no cuDNN pointwise form" in cudnn._unsupported(epi.parse("hardswish(acc)"))
     assert cudnn._unsupported(epi.parse("relu(add(bn[#1e-05](acc,c0,c1,c2,c3),full4))")) is None
+    assert cudnn._unsupported(epi.parse("threshold_bwd[#0.0](add(acc,full0),full1)")) is None
+    dy, w = torch.randn(2, 6, 5, 5), torch.randn(6, 2, 3, 3)  # groups 2: out has 4 channels, w 2 per group
+    grouped = Call("conv2d_dgrad", (dy, w), [], "acc", ([1, 1], [1, 1], [1, 1]),
+                   Output.of([2, 4, 5, 5], torch.float32, torch.device("cpu")))
+    assert "grouped convolution" in cudnn.refusal(grouped)
 
 
 def test_no_cudnn_candidates_on_cpu():
@@ -101,3 +106,38 @@ def test_conv2d_stats_on_cudnn_matches_the_reference(dtype, shape, cout, k, stri
     bound = torch.stack([yd.sum((0, 2, 3)), 2 * (yd * yd).sum((0, 2, 3))]) * (half_ulp + 1e-6) + 1e-6
     err = (sums.double() - _sums64(y)).abs()
     assert (err <= bound).all(), (err.max(1), bound.min(1), sums[:, :4], _sums64(y)[:, :4])
+
+
+# ---- conv_dgrad + epilogue (training's conv2d_dgrad) ---------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available() or cudnn._cudnn() is None,
+                    reason="needs a CUDA GPU and nvidia-cudnn-frontend (run on the GPU machine)")
+@pytest.mark.parametrize("sig", ["acc", "threshold_bwd[#0.0](acc,full0)", "threshold_bwd[#0.0](add(acc,full1),full0)"])
+@pytest.mark.parametrize("shape,cin,k,stride", [((4, 64, 14, 14), 96, 3, 1), ((3, 32, 8, 7), 48, 3, 2),
+                                                ((2, 16, 9, 9), 24, 1, 1)])
+def test_conv2d_dgrad_graph_matches_the_reference(sig, shape, cin, k, stride):
+    """conv_dgrad, then add and relu's gradient as pointwise nodes, against the unfused float64 computation;
+    the output poisoned first, every element written."""
+    from resfuse.providers import aten
+
+    torch.manual_seed(2)
+    n, cout, oh, ow = shape
+    dev, cl = "cuda", torch.channels_last
+    dy = torch.randn(shape, device=dev).half().contiguous(memory_format=cl)
+    w = (torch.randn(cout, cin, k, k, device=dev) / (cout * k * k) ** 0.5).half().contiguous(memory_format=cl)
+    h, wd = (oh - 1) * stride + 1 + (1 if stride == 2 else 0), (ow - 1) * stride + 1
+    y = torch.randn(n, cin, h, wd, device=dev).half().contiguous(memory_format=cl)  # the relu output's stand-in
+    res = torch.randn_like(y)
+    y[0, 0, 0, 0] = 0.0  # relu's gradient at exactly the threshold: 0
+    operands = [y, res][:1 + sig.count("full1")] if "full" in sig else []
+    call = Call("conv2d_dgrad", (dy, w), operands, sig, ([stride] * 2, [k // 2] * 2, [1, 1]),
+                Output.of([n, cin, h, wd], torch.float16, torch.device(dev), cl))
+    assert cudnn.refusal(call) is None, cudnn.refusal(call)
+    out = call.out.empty().fill_(float("nan"))
+    got = cudnn.run(call, out)
+    up = Call("conv2d_dgrad", (dy.double(), w.double()), [t.double() for t in operands], sig, call.params,
+              Output.of([n, cin, h, wd], torch.float64, torch.device(dev), cl))
+    want = aten.run(up, up.out.empty())
+    assert got is out and got.stride() == want.stride() and not got.isnan().any()
+    assert rel(got, want) < 2e-3
+    if "threshold" in sig:
+        assert got[0, 0, 0, 0] == 0

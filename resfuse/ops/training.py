@@ -200,7 +200,7 @@ def _dgrad(grad_out, weight, operands, epilogue, input_shape, stride, padding, d
 
         call = Call("conv2d_dgrad", (grad_out, weight), list(operands), epilogue,
                     (list(stride), list(padding), list(dilation)), out, stats=sums)
-        choice = choose(call)  # the tuner weighs our kernel against cuDNN's dgrad + our epilogue kernel
+        choice = choose(call)  # the tuner weighs our kernel, cuDNN's dgrad + our epilogue kernel, and one cuDNN graph
         _record("conv2d_dgrad", epilogue, choice.provider)
         if choice.provider == "triton":
             return kernels.conv2d_dgrad(grad_out, weight, list(operands), epilogue, list(stride), list(padding),
@@ -208,6 +208,9 @@ def _dgrad(grad_out, weight, operands, epilogue, input_shape, stride, padding, d
         if choice.provider == "epilogue":
             from ..providers import epilogue as two_kernels
             return two_kernels.run(call)
+        if choice.provider == "cudnn":  # one cuDNN graph: conv_dgrad and the epilogue's pointwise ops
+            from ..providers import cudnn
+            return cudnn.run(call, out.empty())
     else:
         _record("conv2d_dgrad", epilogue, "reference")
     return conv2d_dgrad_reference(grad_out, weight, operands, epilogue, input_shape, stride, padding, dilation,

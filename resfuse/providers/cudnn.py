@@ -1,5 +1,6 @@
-"""The cudnn provider: one cuDNN frontend graph per fused conv, conv_fprop followed by the epilogue's
-pointwise ops, run by cuDNN's runtime-fusion engines as one kernel where they support it.
+"""The cudnn provider: one cuDNN frontend graph per fused conv, conv_fprop (or conv_dgrad, a training backward's
+data gradient) followed by the epilogue's pointwise ops, run by cuDNN's runtime-fusion engines as one kernel where
+they support it.
 
 Entry points: `refusal(call)`, `candidates(call, level)`, `run(call, out)` (used by ops/fused.py). An optional
 extra, `pip install resfuse[cudnn]` (the `nvidia-cudnn-frontend` package): without it every call is refused
@@ -11,7 +12,8 @@ conv_fprop whose output also feeds a genstats node, so the conv's epilogue compu
 of squares that the training batch norm after it needs (ops/training.py's conv2d_stats).
 
 The epilogue tree maps onto cuDNN pointwise nodes one to one: add/sub/mul/div, relu (also leaky, and clamp
-as a clipped relu), gelu, gelu_tanh, sigmoid, tanh, silu (swish), and inference batch norm written out as
+as a clipped relu), gelu, gelu_tanh, sigmoid, tanh, silu (swish), relu's gradient (relu_backward with the
+threshold as its lower clip), and inference batch norm written out as
 (x - mean) * rsqrt(var + eps) * weight + bias. Operands are graph tensors with their own strides, broadcast
 dims given as 1 (cuDNN's rule); constants are pass-by-value scalars. Intermediates and math are fp32.
 """
@@ -43,17 +45,18 @@ def _unsupported(tree: epi.Node) -> str | None:
         return "an aux output (the graph would need its intermediate as a second output)"
     if isinstance(tree, epi.Op):
         if tree.name not in UNARY and tree.name not in BINARY and tree.name not in ("bn", "leaky_relu", "clamp",
-                                                                                   "float32"):
+                                                                                   "float32", "threshold_bwd"):
             return f"epilogue op {tree.name} has no cuDNN pointwise form here"
         return next((why for why in map(_unsupported, tree.args) if why), None)
     return None
 
 
 def refusal(call) -> str | None:
-    if call.op != "conv2d":
-        return "cuDNN graphs are built for conv2d forward only"
-    if call.inputs[0].shape[1] != call.inputs[1].shape[1]:
-        return "grouped convolution (the graph's conv_fprop is built for groups=1)"
+    if call.op not in ("conv2d", "conv2d_dgrad"):
+        return "cuDNN graphs are built for conv2d forward and data gradient only"
+    channels = call.inputs[0].shape[1] if call.op == "conv2d" else call.out.shape[1]
+    if channels != call.inputs[1].shape[1]:
+        return "grouped convolution (the graph's conv is built for groups=1)"
     if call.out.device.type != "cuda":
         return f"cuDNN needs a CUDA device, not {call.out.device}"
     if _cudnn() is None:
@@ -93,12 +96,17 @@ class Plan:
         self.handle = cudnn.create_handle()
         g = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
                           compute_data_type=cudnn.data_type.FLOAT, handle=self.handle)
-        x, w = call.inputs
+        x, w = call.inputs  # x: the image, or the data gradient's grad_out
         stride, padding, dilation = call.params
         self.x = g.tensor(dim=list(x.shape), stride=list(x.stride()), data_type=io, name="x")
         self.w = g.tensor(dim=list(w.shape), stride=list(w.stride()), data_type=io, name="w")
-        acc = g.conv_fprop(image=self.x, weight=self.w, padding=list(padding), stride=list(stride),
-                           dilation=list(dilation), compute_data_type=cudnn.data_type.FLOAT, name="conv")
+        conv = {"padding": list(padding), "stride": list(stride), "dilation": list(dilation),
+                "compute_data_type": cudnn.data_type.FLOAT}
+        if call.op == "conv2d":
+            acc = g.conv_fprop(image=self.x, weight=self.w, name="conv", **conv)
+        else:  # the input's shape is not implied by grad_out's (stride > 1): it is the output's
+            acc = g.conv_dgrad(loss=self.x, filter=self.w, name="dgrad", **conv)
+            acc.set_dim(list(call.out.shape)).set_stride(list(call.out.strides))
         tree = epi.parse(call.signature)
         kinds = {o.slot: o.kind for o in epi.operands(tree)}
         self.operands = []
@@ -143,6 +151,8 @@ class Plan:
             return g.relu(input=args[0], lower_clip=lo, upper_clip=None if hi == float("inf") else hi)
         if node.name == "float32":  # the output tensor's data type says it
             return args[0]
+        if node.name == "threshold_bwd":  # relu's gradient: the incoming gradient where y > threshold, else 0
+            return g.relu_backward(loss=args[0], input=args[1], lower_clip=node.params[0])
         if node.name == "silu":
             return g.swish(input=args[0], swish_beta=1.0)
         return getattr(g, UNARY[node.name])(input=args[0])
