@@ -117,6 +117,8 @@ def choose(call: Call) -> Choice:
         entry = _off_thread(call.out.device, tune, call, bench=_bench, level=level, budget_s=remaining,
                             report=PROGRESS.op_done)
         gc.collect()  # the benchmarks' CUDA graphs keep their private memory pools until they are collected
+        if call.out.device.type == "cuda":  # and the caching allocator keeps tuning's scratch reserved, in a pool
+            torch.cuda.empty_cache()  # that a CUDA-graphed model never allocates from again
         _STATE["spent_s"] += time.monotonic() - start
         if entry is None:
             # nothing matched the fp32 reference: run what eager runs, and don't measure this op again
