@@ -43,14 +43,10 @@ def pad_channels(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in (CONV, CONV_BACKWARD):
             continue
-        x = node.args[0] if node.target is CONV else node.args[1]
-        xv = legality.val(x)
-        if xv is None or xv.dim() != 4 or xv.shape[1] != IMAGE_CHANNELS:
+        xv = _image(node.args[0] if node.target is CONV else node.args[1], ctx)
+        if xv is None:
             continue
-        provider = ctx.provider_for(x)
-        if provider != "triton":  # on CPU (no cuDNN, and no kernel of ours unless interpreted): nothing to gain
-            continue
-        why = _refusal(node, xv) or _rewrite(node, provider)
+        why = _refusal(node, xv) or _rewrite(node, "triton")
         if why is None:
             done.append(node.name)
         elif (ctx.graph, node.name) not in ctx.report.rejected_by_node:  # a fusion's reason says more
@@ -75,8 +71,8 @@ def pad_channels_joint(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     done = []
     for conv in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is CONV]:
         x, w = conv.args[:2]
-        xv = legality.val(x)
-        if xv is None or xv.dim() != 4 or xv.shape[1] != IMAGE_CHANNELS or ctx.provider_for(x) != "triton":
+        xv = _image(x, ctx)
+        if xv is None:
             continue
         grads = [u for u in x.users if u.target is CONV_BACKWARD and u.args[1] is x and u.args[2] is w
                  and list(u.args[4:10]) == list(conv.args[3:9])]  # stride ... groups: this conv's own backward
@@ -94,6 +90,15 @@ def pad_channels_joint(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         ctx.report.rewrites.append(f"joint graph: {len(done)} conv(s) and their weight gradients read one copy of "
                                    f"their 3-channel input padded to 4 channels, saved padded ({', '.join(done)})")
     return gm
+
+
+def _image(x, ctx) -> torch.Tensor | None:
+    """x's value where x is a 4-D 3-channel tensor on our kernels' provider, else None: on CPU (no cuDNN, and no
+    kernel of ours unless interpreted) there is nothing to gain."""
+    xv = legality.val(x)
+    if xv is None or xv.dim() != 4 or xv.shape[1] != IMAGE_CHANNELS or ctx.provider_for(x) != "triton":
+        return None
+    return xv
 
 
 def _refusal(node: fx.Node, xv: torch.Tensor) -> str | None:
