@@ -2,11 +2,10 @@
 ops whose epilogue stores dominate (ConvNeXt-T's pointwise layers and ResNet-50's 1x1 convs at bs256, BERT's
 FFN).
 
-Entry point: `python bench/persistent.py [--cases S,S] [--sigs "SIG;SIG"] [--ws] [--tiles I,I] [--out DIR]`, on a
-GPU machine. For each case it times (CUDA-graph replays, median) each config of a small list, checks every result
-against an fp32 reference, and prints per case the best one-tile-per-program config, the best persistent one
-(with --ws, also the best warp-specialised persistent one), cuBLAS/cuDNN alone, the unfused eager chain and the
-roofline floor. Rows go to DIR/persistent.json.
+Entry point: `python bench/persistent.py [--cases SUBSTR] [--sigs "SIG;SIG"] [--out DIR]`, on a GPU machine. For each case it
+times (CUDA-graph replays, median) each config of a small list, checks every result against an fp32
+reference, and prints per case the best one-tile-per-program config, the best persistent one, cuBLAS/cuDNN
+alone, the unfused eager chain and the roofline floor. Rows go to DIR/persistent.json.
 """
 from __future__ import annotations
 
@@ -43,20 +42,18 @@ TILES = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128,
          (128, 64, 64, 4, 4), (128, 128, 32, 8, 4)]
 
 
-def configs(cls, k: int, ws: bool = False, tiles=TILES) -> list:
-    """Each tile one tile a program and persistent (1 and 2 programs an SM); with `ws`, also persistent with
-    the tile loop warp-specialised."""
+def configs(cls, k: int) -> list:
     found = []
-    for bm, bn, bk, nw, ns in tiles:
+    for bm, bn, bk, nw, ns in TILES:
         if bk > k:
             continue
         base = cls(block_m=bm, block_n=bn, block_k=bk, group_m=8, split_k=1, num_warps=nw, num_stages=ns, tma=True)
-        found += [base] + [dataclasses.replace(base, persistent=p, ws=w) for p in (1, 2) for w in {False, ws}]
+        found += [base] + [dataclasses.replace(base, persistent=p) for p in (1, 2)]
     return found
 
 
-def best(timed, persistent: bool, ws: bool = False):
-    rows = [(cfg, us) for cfg, us in timed if (cfg.persistent > 0) == persistent and cfg.ws == ws]
+def best(timed, persistent: bool):
+    rows = [(cfg, us) for cfg, us in timed if (cfg.persistent > 0) == persistent]
     return min(rows, key=lambda r: r[1]) if rows else (None, float("nan"))
 
 
@@ -106,11 +103,11 @@ def conv_case(case):
             epi.rows3(out, out.shape, 1), ref, eager, lambda: F.conv2d(x, w), nbytes, 2 * out.numel() * case.c)
 
 
-def run_case(built, cls, peak: float, bw: float, ws: bool, tiles) -> dict:
+def run_case(built, cls, peak: float, bw: float) -> dict:
     name, k, ours, out, ref, eager, alone, nbytes, flops = built
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     timed, errs = [], []
-    for cfg in configs(cls, k, ws, tiles):
+    for cfg in configs(cls, k):
         try:
             out.fill_(float("nan"))
             ours(cfg)
@@ -121,40 +118,34 @@ def run_case(built, cls, peak: float, bw: float, ws: bool, tiles) -> dict:
             continue
         print(f"  {name}: {cfg} {timed[-1][1]:.1f} us, err {errs[-1]:.1e}", flush=True)
     (tile_cfg, tile_us), (pers_cfg, pers_us) = best(timed, False), best(timed, True)
-    ws_cfg, ws_us = best(timed, True, True)
     return {"case": name, "tile_us": tile_us, "tile_cfg": str(tile_cfg), "persistent_us": pers_us,
-            "persistent_cfg": str(pers_cfg), "ws_us": ws_us, "ws_cfg": str(ws_cfg), "eager_us": kb.bench(eager), "alone_us": kb.bench(alone),
+            "persistent_cfg": str(pers_cfg), "eager_us": kb.bench(eager), "alone_us": kb.bench(alone),
             "floor_us": max(flops / peak, nbytes / bw) * 1e6, "max_relerr": max(errs) if errs else float("nan"),
             "all": [(str(c), us) for c, us in timed]}
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cases", default="", help="comma list of substrings: the cases whose names hold one")
+    p.add_argument("--cases", default="", help="substring filter on case names")
     p.add_argument("--sigs", default="", help="semicolon list of GEMM epilogues to time instead of each case's own")
-    p.add_argument("--ws", action="store_true", help="also time persistent configs with the tile loop warp-specialised")
-    p.add_argument("--tiles", default="", help="comma list of indices into TILES to time (default: all)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
-    wanted = lambda name: any(c in name for c in args.cases.split(","))  # noqa: E731
-    tiles = [TILES[int(i)] for i in args.tiles.split(",")] if args.tiles else TILES
     peak, bw = kb.measure_ceilings()
     print(f"ceilings: mm {peak / 1e12:.0f} TFLOP/s, copy {bw / 1e9:.0f} GB/s", flush=True)
     gemms = [g if not sig else (f"{g[0]} [{sig}]", *g[1:4], sig)
-             for g in GEMMS if wanted(g[0]) for sig in (args.sigs.split(";") if args.sigs else [""])]
-    rows = [run_case(gemm_case(g), GemmConfig, peak, bw, args.ws, tiles) for g in gemms]
-    rows += [run_case(conv_case(c), ConvConfig, peak, bw, args.ws, tiles) for c in CONVS if wanted(c.name)]
+             for g in GEMMS if args.cases in g[0] for sig in (args.sigs.split(";") if args.sigs else [""])]
+    rows = [run_case(gemm_case(g), GemmConfig, peak, bw) for g in gemms]
+    rows += [run_case(conv_case(c), ConvConfig, peak, bw) for c in CONVS if args.cases in c.name]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "persistent.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "peak_flops": peak, "copy_bw": bw, "rows": rows}, f,
                   indent=1)
-    print(f"\n{'case':32} {'tile':>8} {'persist':>8} {'ws':>8} {'t/p':>5} {'alone':>8} {'eager':>8} {'floor':>8} "
-          f"{'err':>8}")
+    print(f"\n{'case':32} {'tile':>8} {'persist':>8} {'t/p':>5} {'alone':>8} {'eager':>8} {'floor':>8} {'err':>8}")
     for r in rows:
-        print(f"{r['case'][:32]:32} {r['tile_us']:8.1f} {r['persistent_us']:8.1f} {r['ws_us']:8.1f} "
+        print(f"{r['case'][:32]:32} {r['tile_us']:8.1f} {r['persistent_us']:8.1f} "
               f"{r['tile_us'] / r['persistent_us']:5.2f} {r['alone_us']:8.1f} {r['eager_us']:8.1f} "
               f"{r['floor_us']:8.1f} {r['max_relerr']:8.1e}")
-        print(f"    tile: {r['tile_cfg']}\n    persistent: {r['persistent_cfg']}\n    ws: {r['ws_cfg']}")
+        print(f"    tile: {r['tile_cfg']}\n    persistent: {r['persistent_cfg']}")
 
 
 if __name__ == "__main__":

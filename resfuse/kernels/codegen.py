@@ -99,8 +99,7 @@ tl.store(out + out_rows[:, None] + offs_c[None, :] * {family.s_out_c}, y.to(out.
 {aux_store}
 {stats_store}"""
     if family.loop:
-        tile_body = (f"for tile_id in tl.range(tl.program_id(0), {family.loop}, tl.num_programs(0), flatten=not WS,\n"
-                     "                         warp_specialize=WS):\n"
+        tile_body = (f"for tile_id in tl.range(tl.program_id(0), {family.loop}, tl.num_programs(0), flatten=True):\n"
                      + _indent(tile_body))
     tile_body = "dependent_launch(PDL)  # programmatic dependent launch: wait for the producer\n" + tile_body
     param_lines = "\n".join(f"    {p}," for p in params)

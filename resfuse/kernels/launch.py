@@ -144,8 +144,8 @@ def _tma_plan(as_matrices, inputs, operands, signature, out, channel_dim, cfg, s
         return TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b if b_kn else b.t(), b_box)
 
     rps, s_os, s_om, s_on = out_view
-    meta = dict(BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, SPLIT_K=split, B_KN=b_kn, PRECISION=_precision(a.dtype),
-                WS=cfg.ws, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    meta = dict(BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, SPLIT_K=split, B_KN=b_kn,
+                PRECISION=_precision(a.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     strides = operand_strides(signature, operands, out.shape, channel_dim)
     # a split's epilogue runs only in its last program, so the others must not load the operands: pointers
     boxes = descriptor_operands(signature, operands, out.shape, channel_dim, m, n, [bm, bn]) if split == 1 else {}
@@ -156,7 +156,7 @@ def _tma_plan(as_matrices, inputs, operands, signature, out, channel_dim, cfg, s
                     [m, n, k, rps, s_os, s_om, tiles_mn, s_on], strides, meta, (tiles_mn, 1, bm, bn), out.device,
                     descriptors, triton.cdiv(m, bm), boxes)
     return Plan(codegen.load(GEMM_TMA_FAMILY, signature, slots), (tiles_mn, 1, split),
-                [m, n, k, rps, s_os, s_om, s_on], strides, meta, (tiles_mn, split, bm, bn),
+                [m, n, k, rps, s_os, s_om, s_on], strides, dict(meta, WS=cfg.ws), (tiles_mn, split, bm, bn),
                 out.device, descriptors, triton.cdiv(m, bm), boxes)
 
 

@@ -80,11 +80,9 @@ def gemm_tma_mainloop(a_desc, b_desc, M, N, K, RPS, s_os, s_om,
 @triton.jit
 def gemm_tma_persistent_mainloop(tile_id, a_desc, b_desc, M, N, K, RPS, s_os, s_om, TILES,
                                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                                 SPLIT_K: tl.constexpr, B_KN: tl.constexpr, PRECISION: tl.constexpr,
-                                 WS: tl.constexpr):
+                                 SPLIT_K: tl.constexpr, B_KN: tl.constexpr, PRECISION: tl.constexpr):
     """One tile of gemm_tma_mainloop for a persistent kernel, which walks TILES tiles (codegen's loop): the
-    whole reduction, no split. WS warp-specialises codegen's tile loop, not this reduction loop: the
-    epilogue's warps then run one tile's epilogue while the others load and multiply the next."""
+    whole reduction, no split."""
     return gemm_tma_tile(tile_id, 0, a_desc, b_desc, M, N, K, RPS, s_os, s_om,
                          BM, BN, BK, GROUP_M, 1, B_KN, PRECISION, False)
 
@@ -127,7 +125,7 @@ TMA_FAMILY = Family(
 PERSISTENT_FAMILY = Family(
     name="gemm_tma_persistent", module=__name__, mainloop="gemm_tma_persistent_mainloop",
     args=("a_desc", "b_desc", "M", "N", "K", "RPS", "s_os", "s_om", "TILES"),
-    constexprs=("BM", "BN", "BK", "GROUP_M", "SPLIT_K", "B_KN", "PRECISION", "WS"),
+    constexprs=("BM", "BN", "BK", "GROUP_M", "SPLIT_K", "B_KN", "PRECISION"),
     n_cols="N", s_out_c="s_on", loop="TILES", origin="gemm_tma_origin(tile, M, N, BM, BN, GROUP_M)",
 )
 
@@ -162,9 +160,9 @@ class GemmConfig:
 
 
 def persistent_ok(cfg) -> bool:
-    """A persistent config runs the TMA tile with the whole reduction: it needs tma and no split (its ws
-    specialises the tile loop). Shared by both families (a 1x1 conv runs as a GEMM)."""
-    return cfg.persistent == 0 or (cfg.tma and cfg.split_k == 1)
+    """A persistent config runs the TMA tile with the whole reduction: it needs tma, and no split or warp
+    specialisation. Shared by both families (a 1x1 conv runs as a GEMM)."""
+    return cfg.persistent == 0 or (cfg.tma and cfg.split_k == 1 and not cfg.ws)
 
 
 def tiles_fit(cfg, dtype_bytes: int) -> bool:

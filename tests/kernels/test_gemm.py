@@ -109,7 +109,7 @@ def test_tma_mainloop_epilogues(data, dtype, m, n8, k8, b_cm, split, tile, persi
     operands = [make_operand(role, kind, [m, n], -1, dtype, lay) for (kind, role), lay in zip(roles, layouts)]
     out = torch.full((m, n), float("nan"), dtype=dtype)
     cfg = launch.GemmConfig(*tile, group_m=2, split_k=1 if persistent else split, num_warps=4, num_stages=2,
-                            tma=True, ws=data.draw(st.booleans()), persistent=persistent)
+                            tma=True, ws=not persistent and data.draw(st.booleans()), persistent=persistent)
     assert cfg.check(GemmProblem(1, m, n, k, a.element_size(), 1))
     aux = poisoned_aux(tree, out)
     launch.gemm(a, b, operands, str(tree), out, cfg, aux)
