@@ -63,6 +63,7 @@ class Op:
 
 Node = Union[Acc, Operand, Const, Op]
 ACC = Acc()
+LONE_BIAS = Op("add", (ACC, Operand(0, "c")))  # a conv's or a linear layer's bias, and nothing after it
 
 
 # ---- the op table: reference math and Triton source, side by side --------------------------------------

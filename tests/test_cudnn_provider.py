@@ -17,10 +17,24 @@ def _conv_call(sig="relu(add(acc,c0))", device="cpu"):
                 Output.of([1, 6, 5, 5], torch.float32, torch.device(device)))
 
 
+def _gemm_call(a, b, operands, sig, out_shape, dtype=torch.float16, device="cpu"):
+    return Call("gemm", (a, b), operands, sig, (out_shape,), Output.of(out_shape, dtype, torch.device(device)))
+
+
 def test_refusals_say_why():
-    gemm = Call("gemm", (torch.randn(3, 4), torch.randn(4, 5)), [], "relu(acc)", ([3, 5],),
-                Output.of([3, 5], torch.float32, torch.device("cpu")))
-    assert "conv2d forward and data gradient only" in cudnn.refusal(gemm)
+    gemm = _gemm_call(torch.randn(3, 4), torch.randn(4, 5), [], "relu(acc)", [3, 5], torch.float32)
+    assert "fp16/bf16 only" in cudnn.refusal(gemm)
+    a, b = torch.randn(6, 4).half(), torch.randn(4, 5).half()
+    assert "CUDA device" in cudnn.refusal(_gemm_call(a, b, [], "relu(acc)", [2, 3, 5]))
+    assert "batched" in cudnn.refusal(_gemm_call(a.view(2, 3, 4), b, [], "relu(acc)", [2, 3, 5]))
+    assert "empty product" in cudnn.refusal(_gemm_call(a[:0], b, [], "relu(acc)", [0, 5]))
+    per_sample = torch.randn(2, 1, 5).half()  # an "nc" operand: no [1, M, N] broadcast form
+    assert "operand 0 (nc" in cudnn.refusal(_gemm_call(a, b, [per_sample], "add(acc,nc0)", [2, 3, 5]))
+    strided = torch.randn(3, 2, 5).half().transpose(0, 1)  # [2, 3, 5] whose rows do not merge into [1, M, N]
+    assert "operand 0 (full" in cudnn.refusal(_gemm_call(a, b, [strided], "add(acc,full0)", [2, 3, 5]))
+    conv_like = Call("gemm", (a, b), [], "relu(acc)", ([6, 5],), Output((6, 5), (1, 6), torch.float16,
+                                                                         torch.device("cpu")))
+    assert "contiguous rows" in cudnn.refusal(conv_like)
     assert "CUDA device" in cudnn.refusal(_conv_call())
     if cudnn._cudnn() is None:
         assert cudnn.refusal(_conv_call()) is not None
@@ -141,3 +155,30 @@ def test_conv2d_dgrad_graph_matches_the_reference(sig, shape, cin, k, stride):
     assert rel(got, want) < 2e-3
     if "threshold" in sig:
         assert got[0, 0, 0, 0] == 0
+
+
+# ---- matmul + epilogue (a linear layer's GEMM) ---------------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available() or cudnn._cudnn() is None,
+                    reason="needs a CUDA GPU and nvidia-cudnn-frontend (run on the GPU machine)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("sig", ["add(acc,c0)", "gelu(add(acc,c0))", "add(add(acc,c0),full1)", "relu(acc)"])
+@pytest.mark.parametrize("m,n,k,out_shape", [(384, 768, 256, [2, 192, 768]), (197, 200, 72, [197, 200])])
+def test_gemm_graph_matches_the_reference(dtype, sig, m, n, k, out_shape):
+    """matmul on a linear layer's transposed weight, then bias, GELU (erf) or a residual as pointwise nodes,
+    into a [B, S, N] view too, against the float64 computation; the output poisoned first."""
+    from resfuse.providers import aten
+
+    torch.manual_seed(3)
+    dev = "cuda"
+    a = torch.randn(m, k, device=dev).to(dtype)
+    w = (torch.randn(n, k, device=dev) / k ** 0.5).to(dtype)  # nn.Linear's [N, K]: B is its transpose
+    operands = [torch.randn(n, device=dev).to(dtype), torch.randn(out_shape, device=dev).to(dtype)]
+    operands = operands[:sig.count("c0") + sig.count("full1")]
+    call = _gemm_call(a, w.t(), operands, sig, out_shape, dtype, dev)
+    assert cudnn.refusal(call) is None, cudnn.refusal(call)
+    out = call.out.empty().fill_(float("nan"))
+    got = cudnn.run(call, out)
+    up = _gemm_call(a.double(), w.t().double(), [t.double() for t in operands], sig, out_shape, torch.float64, dev)
+    want = aten.run(up, up.out.empty())
+    assert got is out and not got.isnan().any()
+    assert rel(got, want) < (4e-3 if dtype == torch.float16 else 2e-2)

@@ -1,6 +1,7 @@
 """The resfuse:: custom ops: schema, fake implementation and reference path (torch.library.opcheck)."""
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
 
 import resfuse  # noqa: F401
 from resfuse import epilogue as epi
@@ -30,3 +31,26 @@ def test_gemm_op_with_view_output_passes_opcheck():
     out = torch.ops.resfuse.gemm(*args)
     torch.testing.assert_close(out, (a @ b + bias).view(2, 3, 5) + r)
     torch.library.opcheck(torch.ops.resfuse.gemm.default, args)
+
+
+@settings(max_examples=20, deadline=None)
+@given(m=st.integers(1, 40), n=st.integers(1, 24), k=st.integers(1, 24), batch=st.sampled_from([None, 2]),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+def test_gemm_with_a_bias_alone_is_eager_linear_to_the_bit(m, n, k, batch, dtype):
+    """A 2-D product whose epilogue is a bias alone runs addmm, as eager's linear layer does, so the aten path
+    gives eager's numbers exactly (fp16: one rounding, not matmul's then the add's), into a [B, S, N] view too."""
+    rows = m * (batch or 1)
+    x, w, bias = torch.randn(rows, k).to(dtype), torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
+    shape = [batch, m, n] if batch else [rows, n]
+    out = torch.ops.resfuse.gemm(x, w.t(), [bias], str(epi.LONE_BIAS), shape, "aten")
+    assert torch.equal(out, F.linear(x, w, bias).view(shape))
+    ref = (x.double() @ w.double().t() + bias.double()).view(shape)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2 if dtype != torch.float32 else 1e-5, atol=1e-2)
+
+
+def test_gemm_bias_of_another_dtype_or_shape_takes_the_unfused_path():
+    x, w = torch.randn(7, 5, dtype=torch.bfloat16), torch.randn(5, 3, dtype=torch.bfloat16)
+    for bias in (torch.randn(3), torch.randn(1, 3, dtype=torch.bfloat16)):  # fp32 bias; a [1, N] bias
+        out = torch.ops.resfuse.gemm(x, w, [bias], str(epi.LONE_BIAS), [7, 3], "aten")
+        ref = (x.double() @ w.double() + bias.double()).to(out.dtype)
+        torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)

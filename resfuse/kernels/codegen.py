@@ -25,8 +25,9 @@ from .activations import HELPERS
 
 # bump when the generated glue or a mainloop's calling convention changes, or when a family takes on ops whose
 # cached winners were chosen without it (3: depthwise convs; 4: persistent GEMMs; 5: mainloops return row_block;
-# 6: the GEMM's TMA families read full operands through descriptors)
-TEMPLATE_VERSION = 6
+# 6: the GEMM's TMA families read full operands through descriptors; 7: the aten provider's lone bias as addmm
+# and the cudnn provider's matmul graphs, candidates the cached winners never met)
+TEMPLATE_VERSION = 7
 
 _LOADED: dict[tuple[str, str], object] = {}
 _LOCK = threading.Lock()

@@ -246,6 +246,9 @@ def _gemm(a, b, operands, epilogue, out_shape, provider, aux):
         if choice.provider == "epilogue":
             from ..providers import epilogue as two_kernels
             return two_kernels.run(call)
+        if choice.provider == "cudnn":
+            from ..providers import cudnn
+            return cudnn.run(call, out.empty())
     else:
         _record("gemm", epilogue, "reference")
         out_shape = _gemm_out_shape(a, b, out_shape)
@@ -258,9 +261,21 @@ gemm_aux = library.Op("gemm_aux", gemm_aux_impl)
 
 
 def gemm_reference(a, b, operands, epilogue, out_shape, out, aux=None):
-    """The unfused ATen path (cuBLAS, then the epilogue as torch ops)."""
+    """The unfused ATen path (cuBLAS, then the epilogue as torch ops). A bias alone on a 2-D product runs as
+    addmm, as eager's linear layer does: cuBLAS adds the bias in its own epilogue, in one kernel, rounding once."""
+    if _addmm_bias(a, b, operands, epilogue, out) and aux is None:
+        torch.addmm(operands[0], a, b, out=out.view(a.shape[0], b.shape[1]))
+        return out
     acc = torch.matmul(a, b).view(list(out_shape))
     return _finish(acc, out, operands, epilogue, -1, aux)
+
+
+def _addmm_bias(a, b, operands, epilogue, out) -> bool:
+    """Is this addmm(bias, a, b) into `out` viewed as [M, N]: a 2-D product whose epilogue is a bias alone, of
+    the product's dtype, one value per column?"""
+    n = b.shape[-1]
+    return (a.dim() == b.dim() == 2 and epi.parse(epilogue) == epi.LONE_BIAS and operands[0].shape == (n,)
+            and operands[0].dtype == a.dtype == b.dtype == out.dtype and out.is_contiguous())
 
 
 @gemm.register_fake

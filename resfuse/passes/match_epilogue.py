@@ -223,7 +223,6 @@ def _same_dtype(g: Group, node: fx.Node) -> str | None:
     return None
 
 
-LONE_BIAS = epi.Op("add", (epi.ACC, epi.Operand(0, "c")))
 LEFT = "resfuse_left"  # node.meta key: why this pass left a conv/GEMM and its bias to Inductor
 
 
@@ -237,7 +236,7 @@ def _bias_better_unfused(g: Group, ctx) -> str | None:
     rest and every shape is static. Longer epilogues are not tried: add_to_output may still extend them, and
     Inductor writes a batch norm or an activation in a kernel of its own as we do (its stem batch norm and relu
     before the max-pool too: `bench/inductor_probe.py`)."""
-    if not ctx.tune_now or g.tree != LONE_BIAS or g.provider != "triton" or g.anchor not in ("conv2d", "gemm"):
+    if not ctx.tune_now or g.tree != epi.LONE_BIAS or g.provider != "triton" or g.anchor not in ("conv2d", "gemm"):
         return None
     vals = [legality.val(n) for n in (*g.inputs, *g.operands, g.out)]
     if any(v is None or not all(isinstance(d, int) for d in (*v.shape, *v.stride())) for v in vals):

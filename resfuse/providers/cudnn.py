@@ -1,6 +1,6 @@
-"""The cudnn provider: one cuDNN frontend graph per fused conv, conv_fprop (or conv_dgrad, a training backward's
-data gradient) followed by the epilogue's pointwise ops, run by cuDNN's runtime-fusion engines as one kernel where
-they support it.
+"""The cudnn provider: one cuDNN frontend graph per fused conv or GEMM, conv_fprop (or conv_dgrad, a training
+backward's data gradient, or matmul, a 2-D product in fp16/bf16) followed by the epilogue's pointwise ops, run by
+cuDNN's runtime-fusion engines as one kernel where they support it.
 
 Entry points: `refusal(call)`, `candidates(call, level)`, `run(call, out)` (used by ops/fused.py). An optional
 extra, `pip install resfuse[cudnn]` (the `nvidia-cudnn-frontend` package): without it every call is refused
@@ -20,6 +20,7 @@ dims given as 1 (cuDNN's rule); constants are pass-by-value scalars. Intermediat
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -51,11 +52,32 @@ def _unsupported(tree: epi.Node) -> str | None:
     return None
 
 
+def _gemm_refusal(call) -> str | None:
+    a, b = call.inputs
+    if a.dim() != 2 or b.dim() != 2:
+        return "a batched product (the graph's matmul is built for [M, K] @ [K, N])"
+    if a.dtype not in (torch.float16, torch.bfloat16):
+        return f"a {a.dtype} product (fp16/bf16 only: an fp32 matmul's TF32 setting is ATen's, not the graph's)"
+    if a.shape[0] * a.shape[1] * b.shape[1] == 0:
+        return "an empty product"
+    out = call.out
+    if list(out.strides) != [math.prod(out.shape[i + 1:]) for i in range(len(out.shape))]:
+        return "an output that is not [M, N] in contiguous rows"
+    kinds = {o.slot: o.kind for o in epi.operands(epi.parse(call.signature))}
+    for slot, t in enumerate(call.operands):
+        if _operand3(t, a.shape[0], b.shape[1], kinds[slot]) is None:
+            return f"operand {slot} ({kinds[slot]}, {tuple(t.shape)}) is neither a column vector nor an [M, N] view"
+    return None
+
+
 def refusal(call) -> str | None:
-    if call.op not in ("conv2d", "conv2d_dgrad"):
-        return "cuDNN graphs are built for conv2d forward and data gradient only"
-    channels = call.inputs[0].shape[1] if call.op == "conv2d" else call.out.shape[1]
-    if channels != call.inputs[1].shape[1]:
+    if call.op not in ("conv2d", "conv2d_dgrad", "gemm"):
+        return "cuDNN graphs are built for conv2d forward and data gradient and for 2-D GEMMs only"
+    if call.op == "gemm":
+        why = _gemm_refusal(call)
+        if why:
+            return why
+    elif (call.inputs[0].shape[1] if call.op == "conv2d" else call.out.shape[1]) != call.inputs[1].shape[1]:
         return "grouped convolution (the graph's conv is built for groups=1)"
     if call.out.device.type != "cuda":
         return f"cuDNN needs a CUDA device, not {call.out.device}"
@@ -73,6 +95,18 @@ def _operand4(t: torch.Tensor, out_shape, kind: str) -> torch.Tensor:
     return t
 
 
+def _operand3(t: torch.Tensor, m: int, n: int, kind: str) -> torch.Tensor | None:
+    """A GEMM's operand as a 3-D view broadcastable to the [1, M, N] product: a column vector as [1, 1, N], a full
+    operand as [1, M, N]; None where it is neither (or its strides do not merge into that view)."""
+    shape = {"c": (1, 1, n), "full": (1, m, n)}.get(kind)
+    if shape is None or t.numel() != math.prod(shape) or (kind == "c" and t.shape[-1] != n):
+        return None
+    try:
+        return t.view(shape)
+    except RuntimeError:
+        return None
+
+
 def _build(g) -> tuple:
     """(the graph, its workspace bytes), validated and built with heuristics A then the fallback list; raises where
     cuDNN has no engine for it (check_support)."""
@@ -86,7 +120,8 @@ def _build(g) -> tuple:
 
 
 class Plan:
-    """A built cuDNN graph for one problem, and how to bind a call's tensors to it."""
+    """A built cuDNN graph for one problem, and how to bind a call's tensors to it. A GEMM's tensors are 3-D
+    ([1, M, K] @ [1, K, N] -> [1, M, N], cuDNN's matmul), a conv's 4-D."""
 
     def __init__(self, call):
         cudnn = _cudnn()
@@ -96,38 +131,55 @@ class Plan:
         self.handle = cudnn.create_handle()
         g = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
                           compute_data_type=cudnn.data_type.FLOAT, handle=self.handle)
-        x, w = call.inputs  # x: the image, or the data gradient's grad_out
-        stride, padding, dilation = call.params
+        self.gemm = call.op == "gemm"
+        self.rank = 3 if self.gemm else 4
+        # x: the image, the data gradient's grad_out, or the product's A; w: the filter, or the product's B
+        x, w = (t.unsqueeze(0) if self.gemm else t for t in call.inputs)
         self.x = g.tensor(dim=list(x.shape), stride=list(x.stride()), data_type=io, name="x")
         self.w = g.tensor(dim=list(w.shape), stride=list(w.stride()), data_type=io, name="w")
-        conv = {"padding": list(padding), "stride": list(stride), "dilation": list(dilation),
-                "compute_data_type": cudnn.data_type.FLOAT}
-        if call.op == "conv2d":
-            acc = g.conv_fprop(image=self.x, weight=self.w, name="conv", **conv)
-        else:  # the input's shape is not implied by grad_out's (stride > 1): it is the output's
-            acc = g.conv_dgrad(loss=self.x, filter=self.w, name="dgrad", **conv)
-            acc.set_dim(list(call.out.shape)).set_stride(list(call.out.strides))
+        f32 = cudnn.data_type.FLOAT
+        if self.gemm:
+            acc = g.matmul(A=self.x, B=self.w, compute_data_type=f32, name="matmul")
+        else:
+            stride, padding, dilation = call.params
+            conv = {"padding": list(padding), "stride": list(stride), "dilation": list(dilation),
+                    "compute_data_type": f32}
+            if call.op == "conv2d":
+                acc = g.conv_fprop(image=self.x, weight=self.w, name="conv", **conv)
+            else:  # the input's shape is not implied by grad_out's (stride > 1): it is the output's
+                acc = g.conv_dgrad(loss=self.x, filter=self.w, name="dgrad", **conv)
+                acc.set_dim(list(call.out.shape)).set_stride(list(call.out.strides))
         tree = epi.parse(call.signature)
-        kinds = {o.slot: o.kind for o in epi.operands(tree)}
+        self.kinds = {o.slot: o.kind for o in epi.operands(tree)}
         self.operands = []
         for slot, t in enumerate(call.operands):
-            t4 = _operand4(t, call.out.shape, kinds[slot])
-            self.operands.append(g.tensor(dim=list(t4.shape), stride=list(t4.stride()), data_type=types[t.dtype],
+            tn = self._operand(call, slot)
+            self.operands.append(g.tensor(dim=list(tn.shape), stride=list(tn.stride()), data_type=types[t.dtype],
                                           name=f"op{slot}"))
-        self.kinds = kinds
         self.scalars, self.host_scalars = {}, {}
         y = self._emit(g, tree, acc)
         y.set_output(True).set_data_type(types[call.out.dtype])
-        y.set_dim(list(call.out.shape)).set_stride(list(call.out.strides))
+        if self.gemm:
+            m, n = call.inputs[0].shape[0], call.inputs[1].shape[1]
+            y.set_dim([1, m, n]).set_stride([m * n, n, 1])
+        else:
+            y.set_dim(list(call.out.shape)).set_stride(list(call.out.strides))
         self.y = y
         self.graph, self.workspace_bytes = _build(g)
+
+    def _operand(self, call, slot: int) -> torch.Tensor:
+        t = call.operands[slot]
+        if self.gemm:
+            return _operand3(t, call.inputs[0].shape[0], call.inputs[1].shape[1], self.kinds[slot])
+        return _operand4(t, call.out.shape, self.kinds[slot])
 
     def _scalar(self, g, value: float):
         t = self.scalars.get(value)
         if t is None:  # a pass-by-value scalar, bound to a host tensor at execute
-            t = self.scalars[value] = g.tensor(dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], is_pass_by_value=True,
+            ones = [1] * self.rank
+            t = self.scalars[value] = g.tensor(dim=ones, stride=ones, is_pass_by_value=True,
                                                data_type=_cudnn().data_type.FLOAT, name=f"k{len(self.scalars)}")
-            self.host_scalars[value] = torch.full((1, 1, 1, 1), float(value), dtype=torch.float32)
+            self.host_scalars[value] = torch.full(ones, float(value), dtype=torch.float32)
         return t
 
     def _emit(self, g, node, acc):
@@ -161,8 +213,8 @@ class Plan:
         cudnn = _cudnn()
         cudnn.set_stream(self.handle, torch.cuda.current_stream().cuda_stream)
         binding = {self.x: call.inputs[0], self.w: call.inputs[1], self.y: out}
-        for slot, (t, tensor) in enumerate(zip(call.operands, self.operands)):
-            binding[tensor] = _operand4(t, out.shape, self.kinds[slot])
+        for slot, tensor in enumerate(self.operands):
+            binding[tensor] = self._operand(call, slot)
         for value, tensor in self.scalars.items():
             binding[tensor] = self.host_scalars[value]
         workspace = torch.empty(max(1, self.workspace_bytes), dtype=torch.uint8, device=out.device)
