@@ -197,6 +197,23 @@ def full_adds(node: Node) -> int:
     return int(own) + sum(full_adds(a) for a in node.args)
 
 
+def fold_bn(tree: Node, slot: int) -> tuple[Node, Op] | None:
+    """Inference's weight folding: (the tree with its batch norm of the accumulator, bn[eps](acc, mean, var,
+    weight, bias), replaced by a shift, add(acc, c<slot>), and that bn node), or None where no batch norm reads
+    the accumulator. The conv's weight then carries the scale weight * rsqrt(var + eps) per output channel and
+    the shift is bias - mean * scale (providers/cudnn.py's Fold)."""
+    found = []
+
+    def walk(n):
+        if isinstance(n, Op) and n.name == "bn" and n.args[0] == ACC:
+            found.append(n)
+            return Op("add", (ACC, Operand(slot, "c")))
+        return Op(n.name, tuple(map(walk, n.args)), n.params) if isinstance(n, Op) else n
+
+    folded = walk(tree)
+    return (folded, found[0]) if found else None
+
+
 def normalized_operand(node: Node) -> Operand | None:
     """The full operand that `node`, a normalize step, normalizes, or None."""
     if isinstance(node, Op) and node.name == "normalize" and isinstance(node.args[0], Operand):

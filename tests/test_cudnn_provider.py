@@ -2,6 +2,9 @@
 
 Its graphs themselves need a GPU and the nvidia-cudnn-frontend extra: bench/cudnn_check.py checks their
 numerics against the unfused reference and times them there."""
+import dataclasses
+import gc
+
 import pytest
 import torch
 
@@ -182,3 +185,155 @@ def test_gemm_graph_matches_the_reference(dtype, sig, m, n, k, out_shape):
     want = aten.run(up, up.out.empty())
     assert got is out and not got.isnan().any()
     assert rel(got, want) < (4e-3 if dtype == torch.float16 else 2e-2)
+
+
+# ---- inference batch norm folded into the conv's weight ------------------------------------------------------------
+BN_RELU = "relu(bn[#1e-05](acc,c0,c1,c2,c3))"
+
+
+def _bn_vectors(k, device="cpu", dtype=torch.float32):
+    return [torch.randn(k, device=device).to(dtype), (torch.rand(k, device=device) + 0.1).to(dtype),
+            torch.randn(k, device=device).to(dtype), torch.randn(k, device=device).to(dtype)]
+
+
+@pytest.mark.parametrize("sig", [BN_RELU, "relu(add(bn[#0.001](acc,c0,c1,c2,c3),full4))",
+                                 "sigmoid(mul(bn[#1e-05](acc,c1,c2,c3,c4),c0))"])
+def test_fold_bn_gives_the_same_epilogue_on_the_scaled_accumulator(sig):
+    """The folded tree on conv(x, w * scale) + shift is the tree on conv(x, w): checked in float64 on the
+    epilogue reference, the accumulator scaled per channel as the folded weight scales it."""
+    torch.manual_seed(4)
+    tree = epi.parse(sig)
+    n_ops = len(epi.operands(tree))
+    folded, bn = epi.fold_bn(tree, n_ops)
+    assert bn.name == "bn" and "bn" not in str(folded) and f"add(acc,c{n_ops})" in str(folded)
+    k, rows = 6, 10
+    ops = [torch.randn(rows, k, dtype=torch.float64) for _ in range(n_ops)]
+    mean, var, weight, bias = (torch.randn(k, dtype=torch.float64) for _ in range(4))
+    var = var.abs() + 0.1
+    for o, v in zip(bn.args[1:], (mean, var, weight, bias)):
+        ops[o.slot] = v.expand(rows, k)
+    scale = weight / torch.sqrt(var + bn.params[0])
+    acc = torch.randn(rows, k, dtype=torch.float64)
+    as3 = [t.reshape(1, rows, k) for t in ops]
+    want = epi.reference(tree, acc.reshape(1, rows, k), as3)
+    shift = (bias - mean * scale).expand(rows, k).reshape(1, rows, k)
+    got = epi.reference(folded, (acc * scale).reshape(1, rows, k), [*as3, shift])
+    torch.testing.assert_close(got, want)
+    assert epi.fold_bn(epi.parse("relu(add(acc,c0))"), 1) is None
+
+
+def test_fold_refusals_and_the_folded_call_on_cpu():
+    x, w = torch.randn(2, 4, 5, 5).half(), torch.randn(6, 4, 3, 3).half()
+    vecs = _bn_vectors(6)
+    out = Output.of([2, 6, 5, 5], torch.float16, torch.device("cpu"))
+    call = Call("conv2d", (x, w), vecs, BN_RELU, ([1, 1], [1, 1], [1, 1]), out)
+    assert cudnn.fold_refusal(call) is None
+    assert "no batch norm" in cudnn.fold_refusal(dataclasses.replace(call, signature="relu(add(acc,c0))"))
+    assert "float32 weight" in cudnn.fold_refusal(dataclasses.replace(call, inputs=(x, w.float())))
+    wide = [v.expand(2, 6) for v in vecs]
+    assert "one value per output channel" in cudnn.fold_refusal(dataclasses.replace(call, operands=wide))
+    folded = cudnn.folded_call(call)
+    assert folded.signature == "relu(add(acc,c4))" and folded.operands[:4] == vecs
+    scale = vecs[2] / torch.sqrt(vecs[1] + 1e-5)
+    torch.testing.assert_close(folded.inputs[1].float(), (w.float() * scale.view(-1, 1, 1, 1)).half().float())
+    torch.testing.assert_close(folded.operands[4], vecs[3] - vecs[0] * scale)
+
+
+def test_a_fold_follows_in_place_updates_and_dies_with_its_sources():
+    """The folded weight and shift are kept while the sources' version counters hold, refolded in place (the
+    same tensors, which a CUDA graph reads) when one moves, and dropped once a source is garbage."""
+    w, vecs = torch.randn(5, 3, 1, 1).half(), _bn_vectors(5)
+    call = Call("conv2d", (torch.randn(1, 3, 2, 2).half(), w), vecs, BN_RELU, ([1, 1], [0, 0], [1, 1]),
+                Output.of([1, 5, 2, 2], torch.float16, torch.device("cpu")))
+    first = cudnn.folded_call(call)
+    fw, shift = first.inputs[1], first.operands[4]
+    before = fw.clone()
+    assert cudnn.folded_call(call).inputs[1] is fw  # cached
+    with cudnn.recording_folds() as used:
+        cudnn.folded_call(call)
+    watch = cudnn.FoldWatch(used * 2)
+    assert len(watch.folds) == 1 and len(watch.sources) == 5
+    with torch.no_grad():
+        vecs[2].mul_(-3.0)  # the batch norm's weight, as an optimizer step or load_state_dict writes it
+    watch.refresh()
+    torch.testing.assert_close(fw.float(), (before.float() * -3.0), atol=2e-3, rtol=2e-3)
+    scale = vecs[2] / torch.sqrt(vecs[1] + 1e-5)
+    torch.testing.assert_close(shift, vecs[3] - vecs[0] * scale)
+    assert cudnn.folded_call(call).inputs[1] is fw
+    assert any(f.w is fw for f in cudnn._FOLDS.values())
+    del call, first, vecs, watch
+    gc.collect()
+    other = Call("conv2d", (torch.randn(1, 3, 2, 2).half(), w), _bn_vectors(5), BN_RELU, ([1, 1], [0, 0], [1, 1]),
+                 Output.of([1, 5, 2, 2], torch.float16, torch.device("cpu")))
+    cudnn.folded_call(other)  # a new entry drops the ones whose sources are gone
+    assert not any(f.w is fw for f in cudnn._FOLDS.values())
+
+
+def _bn_conv_case(shape, cout, k, stride, sig, dtype=torch.float16):
+    cl, dev = torch.channels_last, "cuda"
+    x = torch.randn(shape, device=dev).to(dtype).contiguous(memory_format=cl)
+    w = (torch.randn(cout, shape[1], k, k, device=dev) / (shape[1] * k * k) ** 0.5).to(dtype)
+    w = w.contiguous(memory_format=cl)
+    params = ([stride] * 2, [k // 2] * 2, [1, 1])
+    oh = (shape[2] + 2 * (k // 2) - k) // stride + 1
+    ow = (shape[3] + 2 * (k // 2) - k) // stride + 1
+    out_shape = [shape[0], cout, oh, ow]
+    ops = _bn_vectors(cout, dev, dtype)
+    if "full4" in sig:
+        ops.append(torch.randn(out_shape, device=dev).to(dtype).contiguous(memory_format=cl))
+    return x, w, ops, params, Output.of(out_shape, dtype, torch.device(dev), cl)
+
+
+def _reference64(x, w, ops, sig, params, out):
+    from resfuse.providers import aten
+
+    up = Call("conv2d", (x.double(), w.double()), [t.double() for t in ops], sig, params,
+              dataclasses.replace(out, dtype=torch.float64))
+    return aten.run(up, up.out.empty())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or cudnn._cudnn() is None,
+                    reason="needs a CUDA GPU and nvidia-cudnn-frontend (run on the GPU machine)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("sig", [BN_RELU, "relu(add(bn[#1e-05](acc,c0,c1,c2,c3),full4))"])
+@pytest.mark.parametrize("shape,cout,k,stride", [((4, 64, 14, 14), 96, 3, 1), ((3, 32, 15, 13), 64, 3, 2),
+                                                 ((2, 16, 9, 9), 40, 1, 1)])
+def test_folded_bn_graph_matches_the_reference(dtype, sig, shape, cout, k, stride):
+    """conv with the batch norm folded into its weight, then shift (+ residual) + relu, against float64."""
+    torch.manual_seed(5)
+    if "full4" in sig and stride == 2:
+        return  # a residual block's tail is stride 1
+    x, w, ops, params, out = _bn_conv_case(shape, cout, k, stride, sig, dtype)
+    call = Call("conv2d", (x, w), ops, sig, params, out)
+    assert cudnn.fold_refusal(call) is None
+    got = cudnn.run(call, out.empty().fill_(float("nan")), fold=True)
+    assert not got.isnan().any()
+    assert rel(got, _reference64(x, w, ops, sig, params, out)) < (4e-3 if dtype == torch.float16 else 2e-2)
+    assert any(c.name == "cudnn+fold_bn" for c in cudnn.candidates(call, "fast"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or cudnn._cudnn() is None,
+                    reason="needs a CUDA GPU and nvidia-cudnn-frontend (run on the GPU machine)")
+def test_folded_bn_follows_in_place_updates_under_cuda_graph_replay():
+    """An inference graph replays the folded weight at its address without calling the op: CudaGraphed folds
+    again before the replay when a batch-norm parameter changed in place (as load_state_dict writes it)."""
+    from resfuse.capture.cuda_graphs import CudaGraphed
+
+    torch.manual_seed(6)
+    x, w, ops, params, out = _bn_conv_case((2, 32, 10, 10), 48, 3, 1, BN_RELU)
+
+    def fn(args):
+        call = Call("conv2d", tuple(args[:2]), list(args[2:]), BN_RELU, params, out)
+        return [cudnn.run(call, out.empty(), fold=True)]
+
+    fn._boxed_call = True
+    graphed = CudaGraphed(fn)
+    for _ in range(3):  # eager, capture, replay
+        got = graphed([x, w, *ops])[0]
+    assert graphed.graph is not None
+    assert rel(got, _reference64(x, w, ops, BN_RELU, params, out)) < 4e-3
+    with torch.no_grad():
+        ops[2].mul_(-2.0)
+        ops[1].add_(1.0)
+    got = graphed([x, w, *ops])[0]
+    assert rel(got, _reference64(x, w, ops, BN_RELU, params, out)) < 4e-3

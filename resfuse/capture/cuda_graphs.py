@@ -21,6 +21,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..providers.cudnn import FoldWatch, recording_folds
+
 
 class _Capture:
     """The captured graph of one input signature (shapes, dtypes, strides, devices), and what replaying it needs."""
@@ -30,6 +32,7 @@ class _Capture:
         self.static, self.copied = [], []
         self.fixed_ptrs, self.fixed_idx, self.fixed_objs = None, [], None  # see replays()
         self.not_fixed, self.scalar_idx, self.scalars, self.copied_sig = [], [], [], ()
+        self.folds: FoldWatch | None = None  # batch norms folded into conv weights that the graph reads
 
     def remember(self, args: tuple, ptrs: list) -> None:
         """What moved() and replays() compare: the inputs read in place (their addresses and objects; the
@@ -122,13 +125,15 @@ class CudaGraphed:
         # allocates, or the capture's peak is all three (ResNet-50 bs256: 2.86 GB reserved against eager's 2.14;
         # bench/inference_memory.py). Once per captured signature, so the cost is a few cudaFree.
         torch.cuda.empty_cache()
-        with torch.cuda.stream(side):
-            self.fn(list(cap.static))  # warm-up on a side stream, as torch.cuda.graphs advises
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.empty_cache()
-        cap.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cap.graph):
-            cap.outputs = self.fn(list(cap.static))
+        with recording_folds() as folds:
+            with torch.cuda.stream(side):
+                self.fn(list(cap.static))  # warm-up on a side stream, as torch.cuda.graphs advises
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.empty_cache()
+            cap.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cap.graph):
+                cap.outputs = self.fn(list(cap.static))
+        cap.folds = FoldWatch(folds) if folds else None
         cap.remember(args, ptrs)
 
     def __call__(self, inputs: list):
@@ -154,6 +159,8 @@ class CudaGraphed:
                 cap.remember(args, ptrs)  # the same addresses, other objects: replays() compares these now
         for i in cap.copied:
             cap.static[i].copy_(args[i])
+        if cap.folds is not None:  # folded conv weights, which the graph reads without calling the op
+            cap.folds.refresh()
         cap.graph.replay()
         return type(cap.outputs)(o.clone() if isinstance(o, torch.Tensor) else o for o in cap.outputs)
 

@@ -168,7 +168,7 @@ def _conv2d(x, weight, operands, epilogue, stride, padding, dilation, provider, 
             return two_kernels.run(call)
         if choice.provider == "cudnn":
             from ..providers import cudnn
-            return cudnn.run(call, out.empty())
+            return cudnn.run(call, out.empty(), fold=bool(choice.config and choice.config.get("fold_bn")))
     else:
         _record("conv2d", epilogue, "reference")
         out = conv_output(x, weight, epilogue, stride, padding, dilation)

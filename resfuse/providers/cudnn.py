@@ -19,8 +19,11 @@ dims given as 1 (cuDNN's rule); constants are pass-by-value scalars. Intermediat
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import math
+import weakref
 
 import torch
 
@@ -151,11 +154,11 @@ class Plan:
                 acc.set_dim(list(call.out.shape)).set_stride(list(call.out.strides))
         tree = epi.parse(call.signature)
         self.kinds = {o.slot: o.kind for o in epi.operands(tree)}
-        self.operands = []
-        for slot, t in enumerate(call.operands):
+        self.operands = {}  # slot -> graph tensor, for the operands the tree reads
+        for slot in self.kinds:
             tn = self._operand(call, slot)
-            self.operands.append(g.tensor(dim=list(tn.shape), stride=list(tn.stride()), data_type=types[t.dtype],
-                                          name=f"op{slot}"))
+            self.operands[slot] = g.tensor(dim=list(tn.shape), stride=list(tn.stride()),
+                                           data_type=types[call.operands[slot].dtype], name=f"op{slot}")
         self.scalars, self.host_scalars = {}, {}
         y = self._emit(g, tree, acc)
         y.set_output(True).set_data_type(types[call.out.dtype])
@@ -213,7 +216,7 @@ class Plan:
         cudnn = _cudnn()
         cudnn.set_stream(self.handle, torch.cuda.current_stream().cuda_stream)
         binding = {self.x: call.inputs[0], self.w: call.inputs[1], self.y: out}
-        for slot, tensor in enumerate(self.operands):
+        for slot, tensor in self.operands.items():
             binding[tensor] = self._operand(call, slot)
         for value, tensor in self.scalars.items():
             binding[tensor] = self.host_scalars[value]
@@ -225,31 +228,143 @@ class Plan:
 _PLANS: dict = {}
 
 
-def _plan(call) -> Plan:
+def _plan(call, fold: bool = False) -> Plan:
     from ..tuning.choose import fast_key
 
-    k = fast_key(call)
+    k = (fast_key(call), fold)
     if k not in _PLANS:
-        _PLANS[k] = Plan(call)
+        _PLANS[k] = Plan(folded_call(call) if fold else call)
     return _PLANS[k]
 
 
-def run(call, out: torch.Tensor) -> torch.Tensor:
-    return _plan(call).run(call, out)
+def run(call, out: torch.Tensor, fold: bool = False) -> torch.Tensor:
+    """The graph on `call` into `out`; with `fold`, the graph of its batch norm folded into the conv's weight."""
+    return _plan(call, fold).run(folded_call(call) if fold else call, out)
 
 
 def candidates(call, level: str) -> list[Candidate]:
-    try:
-        plan = _plan(call)
-    except Exception as e:  # cuDNN has no engine for this graph (check_support) or cannot build it: refused
-        from ..tuning.choose import fast_key
+    found = []
+    for fold in (False, True) if fold_refusal(call) is None else (False,):
+        try:
+            plan = _plan(call, fold)
+        except Exception as e:  # cuDNN has no engine for this graph (check_support) or cannot build it: refused
+            from ..tuning.choose import fast_key
 
-        _PLANS.pop(fast_key(call), None)
-        print(f"resfuse: cudnn provider refused {call.signature} on {tuple(call.out.shape)}: "
-              f"{type(e).__name__}: {str(e)[:160]}")
-        return []
-    scratch = call.out.empty()  # never the live output (OneFlow #9452)
-    return [Candidate("cudnn", "cudnn", {}, lambda: plan.run(call, scratch))]
+            _PLANS.pop((fast_key(call), fold), None)
+            print(f"resfuse: cudnn provider refused {call.signature}{' folded' if fold else ''} on "
+                  f"{tuple(call.out.shape)}: {type(e).__name__}: {str(e)[:160]}")
+            continue
+        scratch = call.out.empty()  # never the live output (OneFlow #9452)
+        ran = folded_call(call) if fold else call
+        found.append(Candidate("cudnn", "cudnn+fold_bn" if fold else "cudnn", {"fold_bn": True} if fold else {},
+                               lambda plan=plan, ran=ran, scratch=scratch: plan.run(ran, scratch)))
+    return found
+
+
+# ---- inference batch norm folded into the conv's weight ------------------------------------------------------------
+def fold_refusal(call) -> str | None:
+    """Why the batch norm of this conv's epilogue cannot be folded into its weight, or None. Folding turns the
+    epilogue into a shift, so cuDNN runs conv + bias (+ residual) + relu at the bare conv's speed (its
+    ConvBiasAct engines; bench/cudnn_check.py --forms), where the batch norm written out runs slower."""
+    if call.op != "conv2d":
+        return "only a conv's weight can carry a batch norm"
+    w = call.inputs[1]
+    if w.dtype not in (torch.float16, torch.bfloat16):
+        return f"a {w.dtype} weight"
+    found = epi.fold_bn(epi.parse(call.signature), len(call.operands))
+    if found is None:
+        return "no batch norm reads the accumulator"
+    if any(call.operands[o.slot].shape != (w.shape[0],) for o in found[1].args[1:]):
+        return "batch-norm vectors that are not one value per output channel"
+    return None
+
+
+class Fold:
+    """A conv's weight with its inference batch norm folded in, w * scale per output channel, and the shift
+    bias - mean * scale (scale = weight * rsqrt(var + eps)), computed in fp32 from the five source tensors.
+    It is kept while the sources keep their addresses and version counters (an in-place update, an optimizer
+    step or load_state_dict, bumps the counter) and folded again in place otherwise, so that a CUDA graph that
+    reads the folded tensors at their addresses stays right: capture/cuda_graphs.py records the folds a graph
+    reads (`recording_folds`) and checks them before each replay (`FoldWatch`). A write through `.data`, which bypasses the version counter, is not seen. The sources
+    are held weakly: a model's parameters are not kept alive by this cache."""
+
+    def __init__(self, w: torch.Tensor, vectors, eps: float):
+        self.refs, self.eps = [weakref.ref(t) for t in (w, *vectors)], eps
+        self.w = torch.empty_like(w)  # w's strides (channels_last stays channels_last)
+        self.shift = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+        self.seen = None
+        self.refresh()
+
+    def holds(self, sources) -> bool:
+        return all(r() is t for r, t in zip(self.refs, sources))
+
+    def refresh(self) -> bool:
+        """Fold again if a source changed; False once a source is gone (the entry is then dropped)."""
+        sources = [r() for r in self.refs]
+        if any(t is None for t in sources):
+            return False
+        state = tuple(t._version for t in sources)
+        if state == self.seen:
+            return True
+        w, mean, var, weight, bias = sources
+        scale = weight.float() * torch.rsqrt(var.float() + self.eps)
+        self.w.copy_(w.float() * scale.view(-1, *[1] * (w.dim() - 1)))
+        self.shift.copy_(bias.float() - mean.float() * scale)
+        self.seen = state
+        return True
+
+
+_FOLDS: dict = {}  # (the sources' addresses, shapes and dtypes, eps) -> Fold
+_RECORDING: list[list] = []  # the lists recording_folds() fills
+
+
+def folded_call(call):
+    """`call` with its conv's batch norm folded: the folded weight, the epilogue's bn node replaced by a shift
+    (a new last operand, fp32); its Fold made or refreshed."""
+    tree, bn = epi.fold_bn(epi.parse(call.signature), len(call.operands))
+    w = call.inputs[1]
+    sources = (w, *(call.operands[o.slot] for o in bn.args[1:]))
+    key = (tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in sources), bn.params[0])
+    fold = _FOLDS.get(key)
+    if fold is None or not fold.holds(sources):
+        for stale in [k for k, f in _FOLDS.items() if not f.refresh()]:  # entries whose sources are gone
+            del _FOLDS[stale]
+        fold = _FOLDS[key] = Fold(w, sources[1:], bn.params[0])
+    else:
+        fold.refresh()
+    for used in _RECORDING:
+        used.append(fold)
+    return dataclasses.replace(call, inputs=(call.inputs[0], fold.w), operands=[*call.operands, fold.shift],
+                               signature=str(tree))
+
+
+@contextlib.contextmanager
+def recording_folds():
+    """Collects the Folds that the ops called inside read (a CUDA-graph capture's, for its FoldWatch)."""
+    used: list = []
+    _RECORDING.append(used)
+    try:
+        yield used
+    finally:
+        _RECORDING.remove(used)
+
+
+class FoldWatch:
+    """The Folds one CUDA graph reads, and their sources' version counters: `refresh()`, before each replay,
+    compares the counters in one pass (a bs1 replay's host time is the latency) and folds again on a change.
+    It holds the sources, as the graph's static inputs already do."""
+
+    def __init__(self, folds):
+        self.folds = list({id(f): f for f in folds}.values())
+        self.sources = [t for f in self.folds for t in (r() for r in f.refs) if t is not None]
+        self.versions = [t._version for t in self.sources]
+
+    def refresh(self) -> None:
+        now = [t._version for t in self.sources]
+        if now != self.versions:
+            for fold in self.folds:
+                fold.refresh()
+            self.versions = now
 
 
 class StatsPlan:
