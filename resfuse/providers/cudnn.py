@@ -2,10 +2,15 @@
 backward's data gradient, or matmul, a 2-D product in fp16/bf16) followed by the epilogue's pointwise ops, run by
 cuDNN's runtime-fusion engines as one kernel where they support it.
 
-Entry points: `refusal(call)`, `candidates(call, level)`, `run(call, out)` (used by ops/fused.py). An optional
+Entry points: `refusal(call)`, `candidates(call, level)`, `run(call, out, fold)` (used by ops/fused.py). An optional
 extra, `pip install resfuse[cudnn]` (the `nvidia-cudnn-frontend` package): without it every call is refused
 with that reason. A graph is built once per (shapes, strides, dtypes, epilogue) and is offered only when
 cuDNN's `check_support` passes; what cuDNN cannot fuse (or a missing op below) is refused, never run.
+
+For inference, a conv whose epilogue starts with a batch norm is also offered with that batch norm folded into
+its weight (`fold_refusal`, `Fold`, `folded_call`; the choice's config {"fold_bn": True}): cuDNN then runs
+conv + shift + relu at the bare conv's speed. `recording_folds` and `FoldWatch` keep a CUDA graph that reads the
+folded weights in step with in-place updates of the parameters (capture/cuda_graphs.py).
 
 Also here, for training: `conv_stats(x, weight, stride, padding, dilation, y, sums)` and `conv_stats_refusal(...)`:
 conv_fprop whose output also feeds a genstats node, so the conv's epilogue computes the per-channel sum and sum
@@ -255,7 +260,7 @@ def candidates(call, level: str) -> list[Candidate]:
                   f"{tuple(call.out.shape)}: {type(e).__name__}: {str(e)[:160]}")
             continue
         scratch = call.out.empty()  # never the live output (OneFlow #9452)
-        ran = folded_call(call) if fold else call
+        ran = folded_call(call) if fold else call  # the fold _plan made, found again
         found.append(Candidate("cudnn", "cudnn+fold_bn" if fold else "cudnn", {"fold_bn": True} if fold else {},
                                lambda plan=plan, ran=ran, scratch=scratch: plan.run(ran, scratch)))
     return found
