@@ -4,8 +4,9 @@ import json
 import textwrap
 
 import pytest
+import torch
 
-from resfuse.bench import report, run
+from resfuse.bench import report, run, timing
 
 MODEL = textwrap.dedent("""
     import torch
@@ -107,3 +108,15 @@ def test_profile_lists_every_kernel(bench):
     table = report.profile_table("resfuse", rows, top=2)
     assert table.title.startswith(f"resfuse: {sum(r['calls'] for r in rows)} launches")
     assert table.row_count == min(2, len(rows))
+
+
+@pytest.mark.parametrize("forward, why", [
+    (lambda x: x @ torch.ones(4, 5), None),
+    (lambda x: x[:, :1] * 0 + torch.arange(5.0), "does not depend on the input"),  # RegNetY collapsed in fp16
+    (lambda x: x * 0 + 2, "constant or non-finite"),
+    (lambda x: x / 0, "constant or non-finite"),
+])
+def test_vacuous_outputs_are_named(forward, why):
+    sets = timing.input_sets((torch.randn(3, 4),))
+    found = run.vacuous(forward, sets, timing.run_once(forward, sets[0]))
+    assert found is None if why is None else why in found
