@@ -269,6 +269,66 @@ def test_a_fold_follows_in_place_updates_and_dies_with_its_sources():
     assert not any(f.w is fw for f in cudnn._FOLDS.values())
 
 
+def test_a_fold_that_overflows_runs_unfolded_and_its_graph_is_captured_again(monkeypatch, capsys):
+    """A refold whose weight overflows fp16 (the batch norm's weight grown 1e5-fold in place) is never read:
+    folded_call gives None, the graph's FoldWatch says so before the replay, and CudaGraphed captures again
+    with the conv unfolded, which then follows the parameters in place (fake CUDA graphs; the folded call's
+    arithmetic on ATen stands in for cuDNN's on CPU)."""
+    from resfuse.capture.cuda_graphs import CudaGraphed
+    from resfuse.providers import aten
+    from tests.test_cuda_graphs import _fake_cuda, _FakeGraph
+
+    _fake_cuda(monkeypatch)
+    torch.manual_seed(7)
+    x, w, vecs = torch.randn(2, 3, 4, 4), torch.randn(5, 3, 1, 1).half(), _bn_vectors(5)
+    params, out = ([1, 1], [0, 0], [1, 1]), Output.of([2, 5, 4, 4], torch.float32, torch.device("cpu"))
+    folded_runs = []
+
+    def fn(args):
+        call = Call("conv2d", (args[0], args[1].float()), list(args[2:]), BN_RELU, params, out)
+        folded = cudnn.folded_call(dataclasses.replace(call, inputs=tuple(args[:2])))
+        folded_runs.append(folded is not None)
+
+        def run():  # what the graph runs: cuDNN's folded graph, reading the folded weight and shift in place
+            if folded is None:
+                return aten.run(call, out.empty())
+            acc = torch.nn.functional.conv2d(args[0], folded.inputs[1].float())
+            return torch.relu(acc + folded.operands[4].view(1, -1, 1, 1))
+
+        got = run()
+        if _FakeGraph.capturing is not None:
+            _FakeGraph.capturing.work = lambda: got.copy_(run())
+        return [got]
+
+    class OnCuda(CudaGraphed):
+        @staticmethod
+        def _on_cuda(args):
+            return True
+
+    def want():
+        return _reference64(x, w, vecs, BN_RELU, params, out)
+
+    graphed = OnCuda(fn)
+    for _ in range(3):  # eager, capture, replay
+        got = graphed([x, w, *vecs])[0]
+    assert _FakeGraph.made == 1 and folded_runs == [True] * 3 and rel(got, want()) < 4e-3
+    with torch.no_grad():
+        vecs[2].mul_(1e5)
+    got = graphed([x, w, *vecs])[0]
+    assert _FakeGraph.made == 2 and folded_runs[3:] == [False, False]  # captured again (warm-up, capture)
+    assert "overflows" in capsys.readouterr().out
+    assert torch.isfinite(got).all() and rel(got, want()) < 1e-5
+    # The provider's own fallback, ATen: a scale of 1e5 overflows the fp16 folded weight, not this output.
+    small, big = (x * 1e-4).half(), [torch.zeros(5), torch.ones(5), torch.full((5,), 1e5), torch.zeros(5)]
+    half = Call("conv2d", (small, w), big, BN_RELU, params, dataclasses.replace(out, dtype=torch.float16))
+    got = cudnn.run(half, half.out.empty().fill_(float("nan")), fold=True)
+    assert torch.isfinite(got).all() and rel(got, _reference64(small, w, big, BN_RELU, params, half.out)) < 4e-3
+    with torch.no_grad():
+        vecs[2].div_(1e5)
+    got = graphed([x, w, *vecs])[0]  # the unfolded graph replays, reading the parameters in place
+    assert _FakeGraph.made == 2 and len(folded_runs) == 5 and rel(got, want()) < 4e-3
+
+
 def _bn_conv_case(shape, cout, k, stride, sig, dtype=torch.float16):
     cl, dev = torch.channels_last, "cuda"
     x = torch.randn(shape, device=dev).to(dtype).contiguous(memory_format=cl)

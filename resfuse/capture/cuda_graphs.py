@@ -159,8 +159,8 @@ class CudaGraphed:
                 cap.remember(args, ptrs)  # the same addresses, other objects: replays() compares these now
         for i in cap.copied:
             cap.static[i].copy_(args[i])
-        if cap.folds is not None:  # folded conv weights, which the graph reads without calling the op
-            cap.folds.refresh()
+        if cap.folds is not None and not cap.folds.refresh():  # folded conv weights the graph reads in place
+            self._capture(cap, args, _ptrs(args))  # a refold overflowed its dtype: that conv now runs unfolded
         cap.graph.replay()
         return type(cap.outputs)(o.clone() if isinstance(o, torch.Tensor) else o for o in cap.outputs)
 

@@ -238,13 +238,23 @@ def _plan(call, fold: bool = False) -> Plan:
 
     k = (fast_key(call), fold)
     if k not in _PLANS:
-        _PLANS[k] = Plan(folded_call(call) if fold else call)
+        ran = folded_call(call) if fold else call
+        if ran is None:
+            raise ValueError("the batch norm folded into the weight overflows the weight's dtype")
+        _PLANS[k] = Plan(ran)
     return _PLANS[k]
 
 
 def run(call, out: torch.Tensor, fold: bool = False) -> torch.Tensor:
-    """The graph on `call` into `out`; with `fold`, the graph of its batch norm folded into the conv's weight."""
-    return _plan(call, fold).run(folded_call(call) if fold else call, out)
+    """The graph on `call` into `out`; with `fold`, the graph of its batch norm folded into the conv's weight,
+    or while that fold overflows the weight's dtype (after an update of the parameters), the unfused ATen path."""
+    if not fold:
+        return _plan(call).run(call, out)
+    folded = folded_call(call)
+    if folded is None:
+        from . import aten
+        return aten.run(call, out)
+    return _plan(call, True).run(folded, out)
 
 
 def candidates(call, level: str) -> list[Candidate]:
@@ -261,6 +271,8 @@ def candidates(call, level: str) -> list[Candidate]:
             continue
         scratch = call.out.empty()  # never the live output (OneFlow #9452)
         ran = folded_call(call) if fold else call  # the fold _plan made, found again
+        if ran is None:
+            continue
         found.append(Candidate("cudnn", "cudnn+fold_bn" if fold else "cudnn", {"fold_bn": True} if fold else {},
                                lambda plan=plan, ran=ran, scratch=scratch: plan.run(ran, scratch)))
     return found
@@ -297,14 +309,17 @@ class Fold:
         self.refs, self.eps = [weakref.ref(t) for t in (w, *vectors)], eps
         self.w = torch.empty_like(w)  # w's strides (channels_last stays channels_last)
         self.shift = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
-        self.seen = None
+        self.seen, self.fits = None, True
         self.refresh()
 
     def holds(self, sources) -> bool:
         return all(r() is t for r, t in zip(self.refs, sources))
 
     def refresh(self) -> bool:
-        """Fold again if a source changed; False once a source is gone (the entry is then dropped)."""
+        """Fold again if a source changed; False once a source is gone (the entry is then dropped). A fold
+        whose weight overflows its dtype (a huge scale: a tiny variance, a large batch-norm weight) is marked
+        `fits = False`, and the conv runs unfolded while it stays so: one read back per refold, outside a
+        CUDA-graph capture (whose warm-up call has already folded and checked)."""
         sources = [r() for r in self.refs]
         if any(t is None for t in sources):
             return False
@@ -313,9 +328,16 @@ class Fold:
             return True
         w, mean, var, weight, bias = sources
         scale = weight.float() * torch.rsqrt(var.float() + self.eps)
-        self.w.copy_(w.float() * scale.view(-1, *[1] * (w.dim() - 1)))
+        folded = w.float() * scale.view(-1, *[1] * (w.dim() - 1))
+        self.w.copy_(folded)
         self.shift.copy_(bias.float() - mean.float() * scale)
         self.seen = state
+        if not (w.is_cuda and torch.cuda.is_current_stream_capturing()):
+            fits = bool((folded.abs() <= torch.finfo(w.dtype).max).all() & torch.isfinite(self.shift).all())
+            if self.fits and not fits:
+                print(f"resfuse: a batch norm folded into the {w.dtype} conv weight {tuple(w.shape)} overflows it; "
+                      "the conv runs unfolded on ATen until its parameters fit again")
+            self.fits = fits
         return True
 
 
@@ -325,7 +347,7 @@ _RECORDING: list[list] = []  # the lists recording_folds() fills
 
 def folded_call(call):
     """`call` with its conv's batch norm folded: the folded weight, the epilogue's bn node replaced by a shift
-    (a new last operand, fp32); its Fold made or refreshed."""
+    (a new last operand, fp32); its Fold made or refreshed. None while the folded weight overflows its dtype."""
     tree, bn = epi.fold_bn(epi.parse(call.signature), len(call.operands))
     w = call.inputs[1]
     sources = (w, *(call.operands[o.slot] for o in bn.args[1:]))
@@ -337,6 +359,8 @@ def folded_call(call):
         fold = _FOLDS[key] = Fold(w, sources[1:], bn.params[0])
     else:
         fold.refresh()
+    if not fold.fits:
+        return None
     for used in _RECORDING:
         used.append(fold)
     return dataclasses.replace(call, inputs=(call.inputs[0], fold.w), operands=[*call.operands, fold.shift],
@@ -364,12 +388,16 @@ class FoldWatch:
         self.sources = [t for f in self.folds for t in (r() for r in f.refs) if t is not None]
         self.versions = [t._version for t in self.sources]
 
-    def refresh(self) -> None:
+    def refresh(self) -> bool:
+        """False when a fold the graph reads overflows its dtype after this refold: the graph must be captured
+        again, with the conv unfolded (`run`)."""
         now = [t._version for t in self.sources]
-        if now != self.versions:
-            for fold in self.folds:
-                fold.refresh()
-            self.versions = now
+        if now == self.versions:
+            return True
+        for fold in self.folds:
+            fold.refresh()
+        self.versions = now
+        return all(fold.fits for fold in self.folds)
 
 
 class StatsPlan:
