@@ -9,12 +9,17 @@ still leaves what it measured; a compact table prints last.
 Jobs run in priority order (resnet50 at every batch first, then every model at bs32, then bs1, then bs256)
 and a job is started only while the time budget has room for one more like the last: a 10-minute device
 call cannot compile every model in every mode, so run it more than once with --jobs to cover the rest.
+
+Each job runs in a Python process of its own (--in-process: all in this one). Jobs that shared a process
+inherited the earlier ones' compiled graphs, caches and garbage: MobileNetV3 bs1 under resfuse+graphs measured
+1.033 ms as the third job of a process and 0.285 ms alone (twenty-third session, H100), its peers unmoved.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -59,6 +64,20 @@ def bench_args(name: str, batch: int, peers: str, iters: int, ceilings: str | No
     return args
 
 
+def one_job(name: str, batch: int, opts: argparse.Namespace, ceilings: str | None) -> dict:
+    """One job's result dict, measured here (--in-process) or by this script in a child process, whose own
+    output (a models.json, the ResNet-50 bs32 plot) goes to OUT/jobs/MODEL_bsBATCH."""
+    if opts.in_process:
+        return run.benchmark(bench_args(name, batch, opts.peers, opts.iters, ceilings, opts.device, opts.profile))
+    out = Path(opts.out) / "jobs" / f"{name.replace('/', '_').replace(':', '_')}_bs{batch}"
+    argv = [sys.executable, __file__, "--in-process", "--jobs", f"{name}:{batch}", "--peers", opts.peers,
+            "--iters", str(opts.iters), "--device", opts.device, "--out", str(out), "--budget-s", "inf"]
+    argv += ["--profile"] * opts.profile + (["--ceilings", ceilings] if ceilings else [])
+    rc = subprocess.run(argv).returncode
+    found = json.loads((out / "models.json").read_text()) if (out / "models.json").exists() else []
+    return found[0] if found else {"model": name, "batch": batch, "error": f"its process exited with {rc}"}
+
+
 def compact(results: list[dict]) -> str:
     cols = ["eager", "compile", "reduce-overhead", "resfuse", "resfuse+graphs"]
     head = (f"{'model':<20}{'bs':>4}{'floor':>8}" + "".join(f"{c[:9]:>10}" for c in cols)
@@ -98,12 +117,14 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     parser.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
     parser.add_argument("--profile", action="store_true", help="top kernels of compile and resfuse in the JSON")
+    parser.add_argument("--in-process", action="store_true", help="every job in this process, not one each")
+    parser.add_argument("--ceilings", help="matmul FLOP/s,copy B/s to reuse (default: the first job measures them)")
     opts = parser.parse_args()
     jobs = parse_jobs(opts.jobs) if opts.jobs else default_jobs()
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
-    ceilings = None  # measured by the first job, then reused so every job shares one pair
+    ceilings = opts.ceilings  # else measured by the first job, then reused so every job shares one pair
     start, last = time.perf_counter(), 0.0
     for index, (name, batch) in enumerate(jobs):
         elapsed = time.perf_counter() - start
@@ -113,10 +134,9 @@ def main() -> int:
         t0 = time.perf_counter()
         print(f"\n=== {name} bs{batch} (t={elapsed:.0f}s) ===", flush=True)
         try:
-            result = run.benchmark(bench_args(name, batch, opts.peers, opts.iters, ceilings, opts.device,
-                                                opts.profile))
-            c = result["ceilings"]
-            ceilings = ceilings or f"{c['matmul_flops_per_s']},{c['copy_bytes_per_s']}"
+            result = one_job(name, batch, opts, ceilings)
+            if c := result.get("ceilings"):
+                ceilings = ceilings or f"{c['matmul_flops_per_s']},{c['copy_bytes_per_s']}"
         except Exception as e:  # one model failing to load or trace must not end the sweep
             traceback.print_exc()
             result = {"model": name, "batch": batch, "error": f"{type(e).__name__}: {e}"}
