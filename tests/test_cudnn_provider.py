@@ -10,7 +10,7 @@ import torch
 
 from resfuse import epilogue as epi
 from resfuse.ops.fused import Output
-from resfuse.providers import candidates, cudnn
+from resfuse.providers import candidates, cudnn, fold_bn
 from resfuse.tuning.choose import Call
 
 
@@ -227,12 +227,12 @@ def test_fold_refusals_and_the_folded_call_on_cpu():
     vecs = _bn_vectors(6)
     out = Output.of([2, 6, 5, 5], torch.float16, torch.device("cpu"))
     call = Call("conv2d", (x, w), vecs, BN_RELU, ([1, 1], [1, 1], [1, 1]), out)
-    assert cudnn.fold_refusal(call) is None
-    assert "no batch norm" in cudnn.fold_refusal(dataclasses.replace(call, signature="relu(add(acc,c0))"))
-    assert "float32 weight" in cudnn.fold_refusal(dataclasses.replace(call, inputs=(x, w.float())))
+    assert fold_bn.fold_refusal(call) is None
+    assert "no batch norm" in fold_bn.fold_refusal(dataclasses.replace(call, signature="relu(add(acc,c0))"))
+    assert "float32 weight" in fold_bn.fold_refusal(dataclasses.replace(call, inputs=(x, w.float())))
     wide = [v.expand(2, 6) for v in vecs]
-    assert "one value per output channel" in cudnn.fold_refusal(dataclasses.replace(call, operands=wide))
-    folded = cudnn.folded_call(call)
+    assert "one value per output channel" in fold_bn.fold_refusal(dataclasses.replace(call, operands=wide))
+    folded = fold_bn.folded_call(call)
     assert folded.signature == "relu(add(acc,c4))" and folded.operands[:4] == vecs
     scale = vecs[2] / torch.sqrt(vecs[1] + 1e-5)
     torch.testing.assert_close(folded.inputs[1].float(), (w.float() * scale.view(-1, 1, 1, 1)).half().float())
@@ -245,13 +245,13 @@ def test_a_fold_follows_in_place_updates_and_dies_with_its_sources():
     w, vecs = torch.randn(5, 3, 1, 1).half(), _bn_vectors(5)
     call = Call("conv2d", (torch.randn(1, 3, 2, 2).half(), w), vecs, BN_RELU, ([1, 1], [0, 0], [1, 1]),
                 Output.of([1, 5, 2, 2], torch.float16, torch.device("cpu")))
-    first = cudnn.folded_call(call)
+    first = fold_bn.folded_call(call)
     fw, shift = first.inputs[1], first.operands[4]
     before = fw.clone()
-    assert cudnn.folded_call(call).inputs[1] is fw  # cached
-    with cudnn.recording_folds() as used:
-        cudnn.folded_call(call)
-    watch = cudnn.FoldWatch(used * 2)
+    assert fold_bn.folded_call(call).inputs[1] is fw  # cached
+    with fold_bn.recording_folds() as used:
+        fold_bn.folded_call(call)
+    watch = fold_bn.FoldWatch(used * 2)
     assert len(watch.folds) == 1 and len(watch.sources) == 5
     with torch.no_grad():
         vecs[2].mul_(-3.0)  # the batch norm's weight, as an optimizer step or load_state_dict writes it
@@ -259,14 +259,14 @@ def test_a_fold_follows_in_place_updates_and_dies_with_its_sources():
     torch.testing.assert_close(fw.float(), (before.float() * -3.0), atol=2e-3, rtol=2e-3)
     scale = vecs[2] / torch.sqrt(vecs[1] + 1e-5)
     torch.testing.assert_close(shift, vecs[3] - vecs[0] * scale)
-    assert cudnn.folded_call(call).inputs[1] is fw
-    assert any(f.w is fw for f in cudnn._FOLDS.values())
+    assert fold_bn.folded_call(call).inputs[1] is fw
+    assert any(f.w is fw for f in fold_bn._FOLDS.values())
     del call, first, vecs, watch
     gc.collect()
     other = Call("conv2d", (torch.randn(1, 3, 2, 2).half(), w), _bn_vectors(5), BN_RELU, ([1, 1], [0, 0], [1, 1]),
                  Output.of([1, 5, 2, 2], torch.float16, torch.device("cpu")))
-    cudnn.folded_call(other)  # a new entry drops the ones whose sources are gone
-    assert not any(f.w is fw for f in cudnn._FOLDS.values())
+    fold_bn.folded_call(other)  # a new entry drops the ones whose sources are gone
+    assert not any(f.w is fw for f in fold_bn._FOLDS.values())
 
 
 def test_a_fold_that_overflows_runs_unfolded_and_its_graph_is_captured_again(monkeypatch, capsys):
@@ -286,7 +286,7 @@ def test_a_fold_that_overflows_runs_unfolded_and_its_graph_is_captured_again(mon
 
     def fn(args):
         call = Call("conv2d", (args[0], args[1].float()), list(args[2:]), BN_RELU, params, out)
-        folded = cudnn.folded_call(dataclasses.replace(call, inputs=tuple(args[:2])))
+        folded = fold_bn.folded_call(dataclasses.replace(call, inputs=tuple(args[:2])))
         folded_runs.append(folded is not None)
 
         def run():  # what the graph runs: cuDNN's folded graph, reading the folded weight and shift in place
@@ -365,7 +365,7 @@ def test_folded_bn_graph_matches_the_reference(dtype, sig, shape, cout, k, strid
         return  # a residual block's tail is stride 1
     x, w, ops, params, out = _bn_conv_case(shape, cout, k, stride, sig, dtype)
     call = Call("conv2d", (x, w), ops, sig, params, out)
-    assert cudnn.fold_refusal(call) is None
+    assert fold_bn.fold_refusal(call) is None
     got = cudnn.run(call, out.empty().fill_(float("nan")), fold=True)
     assert not got.isnan().any()
     assert rel(got, _reference64(x, w, ops, sig, params, out)) < (4e-3 if dtype == torch.float16 else 2e-2)

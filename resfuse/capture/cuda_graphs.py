@@ -30,7 +30,7 @@ class _Capture:
         self.static, self.copied = [], []
         self.fixed_ptrs, self.fixed_idx, self.fixed_objs = None, [], None  # see replays()
         self.not_fixed, self.scalar_idx, self.scalars, self.copied_sig = [], [], [], ()
-        self.folds = None  # providers.cudnn.FoldWatch: batch norms folded into conv weights that the graph reads
+        self.folds = None  # providers.fold_bn.FoldWatch: batch norms folded into conv weights that the graph reads
 
     def remember(self, args: tuple, ptrs: list) -> None:
         """What moved() and replays() compare: the inputs read in place (their addresses and objects; the
@@ -113,7 +113,7 @@ class CudaGraphed:
     _on_cuda = staticmethod(on_cuda)  # (tests replace it)
 
     def _capture(self, cap: _Capture, args, ptrs: list) -> None:
-        from ..providers.cudnn import FoldWatch, recording_folds  # not at import: it would import the kernels
+        from ..providers.fold_bn import FoldWatch, recording_folds  # not at import: it would import the kernels
 
         cap.copied = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and ptrs[i] != cap.first_ptrs[i]]
         copied = set(cap.copied)
