@@ -54,6 +54,45 @@ def test_no_cudnn_candidates_on_cpu():
     assert not any(c.provider == "cudnn" for c in candidates(_conv_call(), "fast"))
 
 
+def test_each_engine_config_is_a_candidate_of_its_own(monkeypatch):
+    """The level's first engine configs of cuDNN's ranked list, each a candidate named and configured by engine;
+    the folded graph alone where the batch norm can fold, the written-out one where the fold is refused or
+    cannot be planned; run() hands the chosen name to the plan."""
+    made, ran = [], []
+
+    class FakePlan:
+        engines = [f"eng{i}" for i in range(6)]
+
+        def run(self, call, out, engine):
+            ran.append((call.signature, engine))
+            return out
+
+    def fake_plan(call, fold=False):
+        made.append(fold)
+        if fold and "unplannable" in made:
+            raise RuntimeError("no engine")
+        return FakePlan()
+
+    monkeypatch.setattr(cudnn, "_plan", fake_plan)
+    monkeypatch.setattr(cudnn, "folded_call", lambda call: dataclasses.replace(call, signature="folded"))
+    call = _conv_call("relu(bn[#1e-05](acc,c0,c1,c2,c3))")
+    monkeypatch.setattr(cudnn, "fold_refusal", lambda call: None)
+    fast = cudnn.candidates(call, "fast")
+    assert made == [True] and [c.name for c in fast] == [f"cudnn+fold_bn:eng{i}" for i in range(3)]
+    assert [c.config for c in fast[:2]] == [{"fold_bn": True, "engine": "eng0"}, {"fold_bn": True, "engine": "eng1"}]
+    fast[2].run()
+    assert ran == [("folded", "eng2")]
+    assert len(cudnn.candidates(call, "max")) == 6 and len(cudnn.candidates(call, "none")) == 1
+    made[:] = ["unplannable"]
+    assert [c.name for c in cudnn.candidates(call, "fast")][:1] == ["cudnn:eng0"] and made[1:] == [True, False]
+    monkeypatch.setattr(cudnn, "fold_refusal", lambda call: "training")
+    made[:] = []
+    unfolded = cudnn.candidates(call, "fast")
+    assert made == [False] and unfolded[2].config == {"engine": "eng2"}
+    unfolded[2].run()
+    assert ran[-1] == (call.signature, "eng2")
+
+
 # ---- conv + genstats (training's conv2d_stats) ---------------------------------------------------------------------
 def _conv_stats_inputs(shape, cout, k, stride, dtype, device, channels_last=True):
     fmt = torch.channels_last if channels_last else torch.contiguous_format
@@ -321,7 +360,7 @@ def test_a_fold_that_overflows_runs_unfolded_and_its_graph_is_captured_again(mon
     # The provider's own fallback, ATen: a scale of 1e5 overflows the fp16 folded weight, not this output.
     small, big = (x * 1e-4).half(), [torch.zeros(5), torch.ones(5), torch.full((5,), 1e5), torch.zeros(5)]
     half = Call("conv2d", (small, w), big, BN_RELU, params, dataclasses.replace(out, dtype=torch.float16))
-    got = cudnn.run(half, half.out.empty().fill_(float("nan")), fold=True)
+    got = cudnn.run(half, half.out.empty().fill_(float("nan")), {"fold_bn": True})
     assert torch.isfinite(got).all() and rel(got, _reference64(small, w, big, BN_RELU, params, half.out)) < 4e-3
     with torch.no_grad():
         vecs[2].div_(1e5)
@@ -366,10 +405,16 @@ def test_folded_bn_graph_matches_the_reference(dtype, sig, shape, cout, k, strid
     x, w, ops, params, out = _bn_conv_case(shape, cout, k, stride, sig, dtype)
     call = Call("conv2d", (x, w), ops, sig, params, out)
     assert fold_bn.fold_refusal(call) is None
-    got = cudnn.run(call, out.empty().fill_(float("nan")), fold=True)
+    want, tol = _reference64(x, w, ops, sig, params, out), 4e-3 if dtype == torch.float16 else 2e-2
+    got = cudnn.run(call, out.empty().fill_(float("nan")), {"fold_bn": True})
     assert not got.isnan().any()
-    assert rel(got, _reference64(x, w, ops, sig, params, out)) < (4e-3 if dtype == torch.float16 else 2e-2)
-    assert any(c.name == "cudnn+fold_bn" for c in cudnn.candidates(call, "fast"))
+    assert rel(got, want) < tol
+    found = cudnn.candidates(call, "fast")
+    assert found and all(c.name.startswith("cudnn+fold_bn:") and c.config["fold_bn"] for c in found)
+    for c in found:  # every engine config offered computes the same conv; each runs on its own scratch output
+        c.run().fill_(float("nan"))
+        got = c.run()
+        assert not got.isnan().any() and rel(got, want) < tol, c.name
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or cudnn._cudnn() is None,
@@ -384,7 +429,7 @@ def test_folded_bn_follows_in_place_updates_under_cuda_graph_replay():
 
     def fn(args):
         call = Call("conv2d", tuple(args[:2]), list(args[2:]), BN_RELU, params, out)
-        return [cudnn.run(call, out.empty(), fold=True)]
+        return [cudnn.run(call, out.empty(), {"fold_bn": True})]
 
     fn._boxed_call = True
     graphed = CudaGraphed(fn)

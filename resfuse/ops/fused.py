@@ -168,7 +168,7 @@ def _conv2d(x, weight, operands, epilogue, stride, padding, dilation, provider, 
             return two_kernels.run(call)
         if choice.provider == "cudnn":
             from ..providers import cudnn
-            return cudnn.run(call, out.empty(), fold=bool(choice.config and choice.config.get("fold_bn")))
+            return cudnn.run(call, out.empty(), choice.config)
     else:
         _record("conv2d", epilogue, "reference")
         out = conv_output(x, weight, epilogue, stride, padding, dilation)
@@ -248,7 +248,7 @@ def _gemm(a, b, operands, epilogue, out_shape, provider, aux):
             return two_kernels.run(call)
         if choice.provider == "cudnn":
             from ..providers import cudnn
-            return cudnn.run(call, out.empty())
+            return cudnn.run(call, out.empty(), choice.config)
     else:
         _record("gemm", epilogue, "reference")
         out_shape = _gemm_out_shape(a, b, out_shape)

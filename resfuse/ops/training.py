@@ -210,7 +210,7 @@ def _dgrad(grad_out, weight, operands, epilogue, input_shape, stride, padding, d
             return two_kernels.run(call)
         if choice.provider == "cudnn":  # one cuDNN graph: conv_dgrad and the epilogue's pointwise ops
             from ..providers import cudnn
-            return cudnn.run(call, out.empty())
+            return cudnn.run(call, out.empty(), choice.config)
     else:
         _record("conv2d_dgrad", epilogue, "reference")
     return conv2d_dgrad_reference(grad_out, weight, operands, epilogue, input_shape, stride, padding, dilation,

@@ -2,14 +2,16 @@
 backward's data gradient, or matmul, a 2-D product in fp16/bf16) followed by the epilogue's pointwise ops, run by
 cuDNN's runtime-fusion engines as one kernel where they support it.
 
-Entry points: `refusal(call)`, `candidates(call, level)`, `run(call, out, fold)` (used by ops/fused.py). An optional
-extra, `pip install resfuse[cudnn]` (the `nvidia-cudnn-frontend` package): without it every call is refused
-with that reason. A graph is built once per (shapes, strides, dtypes, epilogue) and is offered only when
-cuDNN's `check_support` passes; what cuDNN cannot fuse (or a missing op below) is refused, never run.
+Entry points: `refusal(call)`, `candidates(call, level)`, `run(call, out, config)` (used by ops/fused.py). An
+optional extra, `pip install resfuse[cudnn]` (the `nvidia-cudnn-frontend` package): without it every call is
+refused with that reason. A graph is made once per (shapes, strides, dtypes, epilogue) and is offered only when
+cuDNN's `check_support` passes; what cuDNN cannot fuse (or a missing op below) is refused, never run. Its
+engine configs, ranked by cuDNN's heuristics, are candidates of their own: the tuner times the first few and
+keeps the fastest by name (the choice's config {"engine": name}); each is built on its first run.
 
-For inference, a conv whose epilogue starts with a batch norm is also offered with that batch norm folded into
-its weight (providers/fold_bn.py; the choice's config {"fold_bn": True}): cuDNN then runs conv + shift + relu
-at the bare conv's speed.
+For inference, a conv whose epilogue starts with a batch norm is offered with that batch norm folded into its
+weight instead (providers/fold_bn.py; the choice's config also holds {"fold_bn": True}): cuDNN then runs conv +
+shift + relu at the bare conv's speed.
 
 Also here, for training: `conv_stats(x, weight, stride, padding, dilation, y, sums)` and `conv_stats_refusal(...)`:
 conv_fprop whose output also feeds a genstats node, so the conv's epilogue computes the per-channel sum and sum
@@ -112,21 +114,26 @@ def _operand3(t: torch.Tensor, m: int, n: int, kind: str) -> torch.Tensor | None
         return None
 
 
-def _build(g) -> tuple:
-    """(the graph, its workspace bytes), validated and built with heuristics A then the fallback list; raises where
-    cuDNN has no engine for it (check_support)."""
+def _planned(g):
+    """The graph validated, with its ranked plan list (heuristics A, then the fallback list) and no plan built;
+    raises where cuDNN has no engine for it (check_support)."""
     cudnn = _cudnn()
     g.validate()
     g.build_operation_graph()
     g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     g.check_support()
-    g.build_plans()
+    return g
+
+
+def _build(g) -> tuple:
+    """(the graph, its workspace bytes), built with the first plan of its ranked list that builds."""
+    _planned(g).build_plans()
     return g, g.get_workspace_size()
 
 
 class Plan:
-    """A built cuDNN graph for one problem, and how to bind a call's tensors to it. A GEMM's tensors are 3-D
-    ([1, M, K] @ [1, K, N] -> [1, M, N], cuDNN's matmul), a conv's 4-D."""
+    """A cuDNN graph for one problem, its ranked engine configs (built on first use), and how to bind a call's
+    tensors to it. A GEMM's tensors are 3-D ([1, M, K] @ [1, K, N] -> [1, M, N], cuDNN's matmul), a conv's 4-D."""
 
     def __init__(self, call):
         cudnn = _cudnn()
@@ -170,7 +177,9 @@ class Plan:
         else:
             y.set_dim(list(call.out.shape)).set_stride(list(call.out.strides))
         self.y = y
-        self.graph, self.workspace_bytes = _build(g)
+        self.graph = _planned(g)
+        self.engines = [g.get_plan_name_at_index(i) for i in range(g.get_execution_plan_count())]
+        self.workspace_bytes = {}  # index -> bytes, for the engine configs built so far
 
     def _operand(self, call, slot: int) -> torch.Tensor:
         t = call.operands[slot]
@@ -214,16 +223,22 @@ class Plan:
             return g.swish(input=args[0], swish_beta=1.0)
         return getattr(g, UNARY[node.name])(input=args[0])
 
-    def run(self, call, out: torch.Tensor) -> torch.Tensor:
+    def run(self, call, out: torch.Tensor, engine: str | None = None) -> torch.Tensor:
+        """The graph on `call` into `out`, with the named engine config (built on first use), or the ranked list's
+        first where `engine` is None or not in the list (a tuning cache entry of another cuDNN version)."""
         cudnn = _cudnn()
+        index = self.engines.index(engine) if engine in self.engines else 0
+        if index not in self.workspace_bytes:
+            self.graph.build_plan_at_index(index)
+            self.workspace_bytes[index] = self.graph.get_workspace_size_plan_at_index(index)
         cudnn.set_stream(self.handle, torch.cuda.current_stream().cuda_stream)
         binding = {self.x: call.inputs[0], self.w: call.inputs[1], self.y: out}
         for slot, tensor in self.operands.items():
             binding[tensor] = self._operand(call, slot)
         for value, tensor in self.scalars.items():
             binding[tensor] = self.host_scalars[value]
-        workspace = torch.empty(max(1, self.workspace_bytes), dtype=torch.uint8, device=out.device)
-        self.graph.execute(binding, workspace, handle=self.handle)
+        workspace = torch.empty(max(1, self.workspace_bytes[index]), dtype=torch.uint8, device=out.device)
+        self.graph.execute_plan_at_index(binding, workspace, index=index, handle=self.handle)
         return out
 
 
@@ -242,36 +257,49 @@ def _plan(call, fold: bool = False) -> Plan:
     return _PLANS[k]
 
 
-def run(call, out: torch.Tensor, fold: bool = False) -> torch.Tensor:
-    """The graph on `call` into `out`; with `fold`, the graph of its batch norm folded into the conv's weight,
-    or while that fold overflows the weight's dtype (after an update of the parameters), the unfused ATen path."""
-    if not fold:
-        return _plan(call).run(call, out)
+def run(call, out: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """The graph on `call` into `out`, with the engine config that `config` names (the tuner's choice). With
+    config["fold_bn"], the graph of its batch norm folded into the conv's weight, or while that fold overflows
+    the weight's dtype (after an update of the parameters), the unfused ATen path."""
+    config = config or {}
+    if not config.get("fold_bn"):
+        return _plan(call).run(call, out, config.get("engine"))
     folded = folded_call(call)
     if folded is None:
         from . import aten
         return aten.run(call, out)
-    return _plan(call, True).run(folded, out)
+    return _plan(call, True).run(folded, out, config.get("engine"))
+
+
+ENGINES = {"none": 1, "fast": 3, "max": None}  # how many of cuDNN's ranked engine configs a level times
 
 
 def candidates(call, level: str) -> list[Candidate]:
-    found = []
-    for fold in (False, True) if fold_refusal(call) is None else (False,):
+    """One candidate per engine config that the level times (bench/cudnn_plans.py on an H100, 24 ResNet-50
+    layers and 4 BERT GEMMs: the ranked list's first was the fastest on 5; the best of its first 3 summed to
+    1716 us over the 24 layers other than the stem, the best of all 1697, the first alone 1883; each engine
+    config took 0.2-0.8 s to build).
+    Where the batch norm can be folded, only the folded graph: the written-out one runs the same conv with more
+    epilogue math. Each engine config is built on its first run, inside the tuner's budget."""
+    from ..tuning.choose import fast_key
+
+    for fold in (True, False) if fold_refusal(call) is None else (False,):
         try:
             plan = _plan(call, fold)
-        except Exception as e:  # cuDNN has no engine for this graph (check_support) or cannot build it: refused
-            from ..tuning.choose import fast_key
-
+            break
+        except Exception as e:  # no engine for this graph (check_support), or the fold overflows: refused
             _PLANS.pop((fast_key(call), fold), None)
             print(f"resfuse: cudnn provider refused {call.signature}{' folded' if fold else ''} on "
                   f"{tuple(call.out.shape)}: {type(e).__name__}: {str(e)[:160]}")
-            continue
-        scratch = call.out.empty()  # never the live output (OneFlow #9452)
-        ran = folded_call(call) if fold else call  # the fold _plan made, found again
-        if ran is None:
-            continue
-        found.append(Candidate("cudnn", "cudnn+fold_bn" if fold else "cudnn", {"fold_bn": True} if fold else {},
-                               lambda plan=plan, ran=ran, scratch=scratch: plan.run(ran, scratch)))
+    else:
+        return []
+    scratch = call.out.empty()  # never the live output (OneFlow #9452)
+    name = "cudnn+fold_bn" if fold else "cudnn"
+    found = []
+    for engine in plan.engines[:ENGINES[level]]:
+        config = {"fold_bn": True, "engine": engine} if fold else {"engine": engine}
+        found.append(Candidate("cudnn", f"{name}:{engine}", config,
+                               lambda config=config: run(call, scratch, config)))
     return found
 
 

@@ -63,7 +63,7 @@ HEURISTIC = Choice("triton", None)
 UNTUNED = Choice("epilogue", None)  # cuDNN/cuBLAS + our epilogue kernel: no config to guess, never worse than ATen's
 #                                     unfused ops in traffic; what runs once a compile's tuning budget is spent
 UNFUSED = Choice("aten", None)
-_SETTINGS = {"level": "fast", "cache_dir": None, "budget_s": 60.0, "force": False}
+_SETTINGS = {"level": "fast", "cache_dir": None, "budget_s": 120.0, "force": False}
 _STATE = {"spent_s": 0.0, "cache": None}
 _CHOICES: dict[str, Choice] = {}
 
