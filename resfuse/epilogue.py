@@ -155,17 +155,16 @@ def contains_acc(node: Node) -> bool:
 
 
 def operands(node: Node) -> list[Operand]:
-    """The tree's operands in slot order (each slot once)."""
+    """The tree's operands in slot order (each slot once). A loop, not a nested recursive function: that would be
+    a reference cycle on every call, left for the garbage collector (fused ops call this per launch)."""
     found: dict[int, Operand] = {}
-
-    def walk(n):
+    stack = [node]
+    while stack:
+        n = stack.pop()
         if isinstance(n, Operand):
             found[n.slot] = n
         elif isinstance(n, Op):
-            for a in n.args:
-                walk(a)
-
-    walk(node)
+            stack.extend(reversed(n.args))
     return [found[s] for s in sorted(found)]
 
 
@@ -202,16 +201,16 @@ def fold_bn(tree: Node, slot: int) -> tuple[Node, Op] | None:
     weight, bias), replaced by a shift, add(acc, c<slot>), and that bn node), or None where no batch norm reads
     the accumulator. The conv's weight then carries the scale weight * rsqrt(var + eps) per output channel and
     the shift is bias - mean * scale (providers/cudnn.py's Fold)."""
-    found = []
-
-    def walk(n):
-        if isinstance(n, Op) and n.name == "bn" and n.args[0] == ACC:
-            found.append(n)
-            return Op("add", (ACC, Operand(slot, "c")))
-        return Op(n.name, tuple(map(walk, n.args)), n.params) if isinstance(n, Op) else n
-
-    folded = walk(tree)
+    found: list[Op] = []
+    folded = _shift_for_bn(tree, slot, found)
     return (folded, found[0]) if found else None
+
+
+def _shift_for_bn(n: Node, slot: int, found: list) -> Node:
+    if isinstance(n, Op) and n.name == "bn" and n.args[0] == ACC:
+        found.append(n)
+        return Op("add", (ACC, Operand(slot, "c")))
+    return Op(n.name, tuple(_shift_for_bn(a, slot, found) for a in n.args), n.params) if isinstance(n, Op) else n
 
 
 def normalized_operand(node: Node) -> Operand | None:
@@ -353,16 +352,19 @@ def operand_kind(t3: torch.Tensor) -> str:
 
 def reference(tree: Node, acc3: torch.Tensor, ops3: list[torch.Tensor]) -> torch.Tensor:
     """Evaluate the tree on an [S, P, C] accumulator, in acc3's dtype."""
-    def ev(n):
-        if n == ACC:
-            return acc3
-        if isinstance(n, Operand):
-            return ops3[n.slot].to(acc3.dtype)
-        if isinstance(n, Const):
-            return torch.tensor(n.value, dtype=acc3.dtype)
-        return OPS[n.name].ref(*[ev(a) for a in n.args], *n.params)
+    return _evaluate(tree, acc3, ops3).expand_as(acc3)
 
-    return ev(tree).expand_as(acc3)
+
+def _evaluate(n: Node, acc3: torch.Tensor, ops3: list[torch.Tensor]) -> torch.Tensor:
+    # module level: a nested recursive function would hold acc3 and the operands in a reference cycle until
+    # the garbage collector ran (tensors of every unfused or CPU call kept alive past it)
+    if n == ACC:
+        return acc3
+    if isinstance(n, Operand):
+        return ops3[n.slot].to(acc3.dtype)
+    if isinstance(n, Const):
+        return torch.tensor(n.value, dtype=acc3.dtype)
+    return OPS[n.name].ref(*[_evaluate(a, acc3, ops3) for a in n.args], *n.params)
 
 
 # ---- Triton source -----------------------------------------------------------------------------------------
