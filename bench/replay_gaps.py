@@ -5,10 +5,12 @@
 For each model (fp16, channels_last, eval): resfuse's default (inference graphs replayed) and torch.compile
 reduce-overhead. Per peer it prints the CUDA-event latency (the harness's timer), the host's time per call
 when nothing waits for the GPU, and from a torch.profiler trace of 5 calls: the GPU's busy time per call and
-the longest idle gaps between its kernels, with the kernels either side. Traces go to $OUT.
+the longest idle gaps between its kernels, with the kernels either side, and the garbage collector's work per
+call. Traces go to $OUT.
 """
 import argparse
 import cProfile
+import collections
 import gc
 import gzip
 import io
@@ -70,6 +72,27 @@ def step_us(calls=50) -> dict:
              "replay": cap.graph.replay, "copy out": lambda: [o.clone() for o in cap.outputs]}
     return {name: round(host_us(lambda _: step(), None, calls), 1) for name, step in steps.items()} | {
         "inputs": len(args), "outputs": len(cap.outputs)}
+
+
+def gc_census(fn, x, calls=50) -> str:
+    """The garbage collector's work per call: collections per generation over `calls` calls, then the types of
+    the objects that 10 calls left in reference cycles (each cycle is freed only by a collection)."""
+    with torch.no_grad():
+        gc.collect()
+        before = [g["collections"] for g in gc.get_stats()]
+        for _ in range(calls):
+            fn(x)
+        after = [g["collections"] for g in gc.get_stats()]
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        for _ in range(10):
+            fn(x)
+        gc.collect()
+        kinds = collections.Counter(type(o).__name__ for o in gc.garbage)
+        gc.set_debug(0)
+        gc.garbage.clear()
+    per_call = [round((b - a) / calls, 3) for a, b in zip(before, after)]
+    return f"collections per call by generation {per_call}; left in cycles by 10 calls: {kinds.most_common(8)}"
 
 
 def host_profile(fn, x, calls=50, top=14) -> str:
@@ -142,6 +165,7 @@ def main():
                 with torch.no_grad():
                     print(f"host us per call without Python's garbage collector: {host_us(fn, x):.1f}")
                 gc.enable()
+            print("garbage collector:", gc_census(fn, x))
             print(host_profile(fn, x))
     print(f"\n{'model':<22}{'peer':<17}{'latency us':>11}{'host us':>9}{'busy us':>9}{'span us':>9}")
     for name, peer, lat, host, busy, span, _ in rows:
