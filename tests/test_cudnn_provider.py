@@ -415,6 +415,8 @@ def test_folded_bn_graph_matches_the_reference(dtype, sig, shape, cout, k, strid
         c.run().fill_(float("nan"))
         got = c.run()
         assert not got.isnan().any() and rel(got, want) < tol, c.name
+    plan = cudnn._plan(call, True)  # each candidate ran its own engine config: each one was built
+    assert sorted(plan.workspace_bytes) == list(range(len(found))) and len(found) == min(3, len(plan.engines))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or cudnn._cudnn() is None,
