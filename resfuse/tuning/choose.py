@@ -56,7 +56,7 @@ class Call:
 @dataclasses.dataclass(frozen=True)
 class Choice:
     provider: str  # "triton" | "epilogue" | "cudnn" | "aten"
-    config: object | None  # triton: a kernel config (None: the heuristic default); cudnn: {"fold_bn": True} or None
+    config: object | None  # triton: a kernel config (None: the heuristic default); cudnn: {"engine", "fold_bn"} or None
 
 
 HEURISTIC = Choice("triton", None)
@@ -127,7 +127,7 @@ def choose(call: Call) -> Choice:
         _cache().put(k, entry, replace=_SETTINGS["force"])
     else:
         PROGRESS.op_done()  # a cache hit: no line
-    # triton: its kernel config; cudnn: {"fold_bn": True} where its graph folds the batch norm into the weight
+    # triton: its kernel config; cudnn: its engine config's name, and "fold_bn" where the batch norm is folded
     choice = Choice(entry.provider, space.config(call, entry.config) if entry.provider == "triton"
                     else dict(entry.config) or None)
     _CHOICES[fast] = choice
