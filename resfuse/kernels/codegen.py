@@ -26,8 +26,9 @@ from .activations import HELPERS
 # bump when the generated glue or a mainloop's calling convention changes, or when a family takes on ops whose
 # cached winners were chosen without it (3: depthwise convs; 4: persistent GEMMs; 5: mainloops return row_block;
 # 6: the GEMM's TMA families read full operands through descriptors; 7: the aten provider's lone bias as addmm
-# and the cudnn provider's matmul graphs, candidates the cached winners never met)
-TEMPLATE_VERSION = 7
+# and the cudnn provider's matmul graphs, candidates the cached winners never met; 8: each of cuDNN's first engine
+# configs is its own candidate, and its winner's name is kept)
+TEMPLATE_VERSION = 8
 
 _LOADED: dict[tuple[str, str], object] = {}
 _LOCK = threading.Lock()
