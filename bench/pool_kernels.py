@@ -86,7 +86,23 @@ def one_batch(batch: int, dtype: torch.dtype) -> list[dict]:
     row("backward + drelu: aten", lambda: aten.threshold_backward(
         aten.max_pool2d_with_indices_backward(g, x, *ARGS, idx), x, 0), o_b + i_b + 2 * x_b)
     row("backward + drelu: torch.compile (recomputes the indices)", lambda: bwd_c(x, g), o_b + 2 * x_b)
+    # inference's stem: the pool evaluates the conv's batch norm + relu at each window's extremes
+    stem_ops = [torch.randn(64, device="cuda", dtype=dtype), torch.rand(64, device="cuda", dtype=dtype) + 0.5,
+                torch.randn(64, device="cuda", dtype=dtype), torch.randn(64, device="cuda", dtype=dtype)]
+    acc = torch.randn_like(x)
+    stem_ref = aten.max_pool2d_with_indices(torch.relu(torch.nn.functional.batch_norm(
+        acc.float(), *[t.float() for t in stem_ops], False, 0.0, 1e-5)), *ARGS)[0]
+    stem_out = torch.full_like(out, float("nan"))
+    max_pool.max_pool2d_epilogue(acc, stem_ops, STEM, *ARGS[:4], stem_out)
+    err = ((stem_out.float() - stem_ref).norm() / stem_ref.norm()).item()
+    assert err < 1e-3, f"pool epilogue relative error {err}"
+    row("forward of bn + relu (inference stem): ours",
+        lambda: max_pool.max_pool2d_epilogue(acc, stem_ops, STEM, *ARGS[:4], stem_out), x_b + o_b)
     if SWEEP:
+        for tile in [(bm, bc, w) for bc in (32, 64) for bm in (8, 16, 32, 64) for w in (1, 2, 4, 8)]:
+            row(f"sweep fwd bn+relu {tile}", lambda: max_pool.max_pool2d_epilogue(
+                acc, stem_ops, STEM, *ARGS[:4], stem_out, tile=tile), x_b + o_b)
+    if SWEEP and not EPILOGUE_ONLY:
         c_b = codes.numel()
         row("backward, no drelu: ours", lambda: kernels.max_pool2d_backward(g, idx, *ARGS[:4], dx), o_b + i_b + x_b)
         row("backward, no drelu, window codes: ours", lambda: kernels.max_pool2d_backward(g, codes, *ARGS[:4], dx),
@@ -118,6 +134,8 @@ def one_batch(batch: int, dtype: torch.dtype) -> list[dict]:
 
 
 SWEEP = False
+EPILOGUE_ONLY = False
+STEM = "relu(bn[#1e-05](acc,c0,c1,c2,c3))"
 
 
 def main():
@@ -126,9 +144,11 @@ def main():
     p.add_argument("--dtype", default="fp16", choices=DTYPES)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--sweep", action="store_true", help="also time a grid of tiles (BM, BC, warps)")
+    p.add_argument("--epilogue-sweep", action="store_true", help="sweep the tiles of the bn + relu pool only")
     args = p.parse_args()
-    global SWEEP
-    SWEEP = args.sweep
+    global SWEEP, EPILOGUE_ONLY
+    SWEEP = args.sweep or args.epilogue_sweep
+    EPILOGUE_ONLY = args.epilogue_sweep
     os.makedirs(args.out, exist_ok=True)
     rows = [r for b in args.batch for r in one_batch(b, DTYPES[args.dtype])]
     with open(os.path.join(args.out, "pool_kernels.json"), "w") as f:

@@ -43,6 +43,38 @@ def host_us(fn, x, calls=50) -> float:
     return sorted(times)[len(times) // 2] * 1e6
 
 
+def split_us(fn, x, calls=50) -> dict:
+    """Median host us of one whole call split at CudaGraphed's own call: before it (Dynamo's guards and
+    aot_autograd's wrappers on the way in), inside it (check, copies, fold refresh, replay, output copies), and
+    after it (the wrappers on the way out). Each call starts on an idle GPU."""
+    stamps, parts = [], []
+    plain = CudaGraphed.__call__
+
+    def stamped(self, inputs):
+        t = time.perf_counter()
+        try:
+            return plain(self, inputs)
+        finally:
+            stamps.append((t, time.perf_counter()))
+    CudaGraphed.__call__ = stamped
+    try:
+        with torch.no_grad():
+            for _ in range(calls):
+                torch.cuda.synchronize()
+                stamps.clear()
+                t0 = time.perf_counter()
+                fn(x)
+                t3 = time.perf_counter()
+                if len(stamps) == 1:
+                    (t1, t2), = stamps
+                    parts.append((t1 - t0, t2 - t1, t3 - t2, t3 - t0))
+    finally:
+        CudaGraphed.__call__ = plain
+    torch.cuda.synchronize()
+    med = lambda i: round(sorted(p[i] for p in parts)[len(parts) // 2] * 1e6, 1) if parts else None  # noqa: E731
+    return {"before": med(0), "inside": med(1), "after": med(2), "whole": med(3), "calls split": len(parts)}
+
+
 def _is_graphed(obj) -> bool:
     try:
         return isinstance(obj, CudaGraphed) and bool(obj.captures)
@@ -69,6 +101,7 @@ def step_us(calls=50) -> dict:
              "check: addresses, Python": lambda: all(args[i].data_ptr() == cap.fixed_ptrs[i] for i in cap.fixed_idx),
              "check: copied signature": lambda: _signature([args[i] for i in cap.copied]),
              "copy in": lambda: [cap.static[i].copy_(args[i]) for i in cap.copied],
+             "fold refresh": (cap.folds.refresh if cap.folds else lambda: None),
              "replay": cap.graph.replay, "copy out": lambda: [o.clone() for o in cap.outputs]}
     return {name: round(host_us(lambda _: step(), None, calls), 1) for name, step in steps.items()} | {
         "inputs": len(args), "outputs": len(cap.outputs)}
@@ -161,6 +194,7 @@ def main():
                 print(f"  {us:8.1f} us  after {before}  before {after}")
             if peer == "resfuse":
                 print("host us per step of CudaGraphed's call:", step_us())
+                print("host us of a whole call, split at CudaGraphed's:", split_us(fn, x))
                 gc.disable()
                 with torch.no_grad():
                     print(f"host us per call without Python's garbage collector: {host_us(fn, x):.1f}")
