@@ -126,7 +126,8 @@ def run_pair(name, hw, k1, n1, n2, batch, peak, bw) -> dict:
     chain_bytes = 2 * m * (k1 + 2 * n1 + n2)
     best = min(rows, key=lambda r: r[1]) if rows else (None, float("nan"), float("nan"))
     return {"pair": name, "batch": batch, "chain_us": best[1], "chain_cfg": best[0], "err": best[2],
-            "cudnn_pair_us": cudnn, "resfuse_pair_us": now, "floor_separate_us": (max(flops / peak, sep_bytes / bw)) * 1e6,
+            "cudnn_pair_us": cudnn, "resfuse_pair_us": now,
+            "floor_separate_us": max(flops / peak, sep_bytes / bw) * 1e6,
             "floor_chain_us": max(flops / peak, chain_bytes / bw) * 1e6, "all": [(c, u) for c, u, _ in rows]}
 
 
