@@ -1,13 +1,15 @@
 """GPU benchmark of the max-pool kernels on ResNet-50's stem pool (3x3, stride 2, padding 1 over the stem's
 relu output, channels_last).
 
-Entry point: `python bench/pool_kernels.py [--batch 32 256] [--dtype fp16] [--out DIR]`, on a GPU machine.
-For each batch:
+Entry point: `python bench/pool_kernels.py [--batch 32 256] [--dtype fp16] [--sweep | --epilogue-sweep]
+[--out DIR]`, on a GPU machine. For each batch:
   forward:            ours with ATen's indices, with int8 window codes (training) and without indices
                       (inference) against ATen's max_pool2d_with_indices and torch.compile's kernel;
   backward (+ drelu): ours, relu's gradient applied on the way out (from the mask, or from the window codes'
                       flag), against ATen's pool backward followed by threshold_backward, and torch.compile's
-                      fused backward.
+                      fused backward;
+  inference's stem:   ours with the conv's batch norm + relu evaluated at each window's extremes
+                      (max_pool2d_epilogue), against the fp32 reference; --epilogue-sweep times its tiles alone.
 Numerics first (values and indices equal ATen's; backward against ATen in fp32). Times: each call replayed in a
 CUDA graph (triton's do_bench_cudagraph), median. The bandwidth column is the minimal bytes over the time.
 Prints a table; the rows go to DIR/pool_kernels.json.
