@@ -200,7 +200,7 @@ def fold_bn(tree: Node, slot: int) -> tuple[Node, Op] | None:
     """Inference's weight folding: (the tree with its batch norm of the accumulator, bn[eps](acc, mean, var,
     weight, bias), replaced by a shift, add(acc, c<slot>), and that bn node), or None where no batch norm reads
     the accumulator. The conv's weight then carries the scale weight * rsqrt(var + eps) per output channel and
-    the shift is bias - mean * scale (providers/cudnn.py's Fold)."""
+    the shift is bias - mean * scale (providers/fold_bn.py's Fold)."""
     found: list[Op] = []
     folded = _shift_for_bn(tree, slot, found)
     return (folded, found[0]) if found else None

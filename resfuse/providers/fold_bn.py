@@ -18,9 +18,8 @@ from .. import epilogue as epi
 
 
 def fold_refusal(call) -> str | None:
-    """Why the batch norm of this conv's epilogue cannot be folded into its weight, or None. Folding turns the
-    epilogue into a shift, so cuDNN runs conv + bias (+ residual) + relu at the bare conv's speed (its
-    ConvBiasAct engines; bench/cudnn_check.py --forms), where the batch norm written out runs slower."""
+    """Why the batch norm of this conv's epilogue cannot be folded into its weight (the module's docstring says
+    why one would), or None."""
     if call.op != "conv2d":
         return "only a conv's weight can carry a batch norm"
     w = call.inputs[1]
@@ -40,8 +39,9 @@ class Fold:
     It is kept while the sources keep their addresses and version counters (an in-place update, an optimizer
     step or load_state_dict, bumps the counter) and folded again in place otherwise, so that a CUDA graph that
     reads the folded tensors at their addresses stays right: capture/cuda_graphs.py records the folds a graph
-    reads (`recording_folds`) and checks them before each replay (`FoldWatch`). A write through `.data`, which bypasses the version counter, is not seen. The sources
-    are held weakly: a model's parameters are not kept alive by this cache."""
+    reads (`recording_folds`) and checks them before each replay (`FoldWatch`). A write through `.data`, which
+    bypasses the version counter, is not seen. The sources are held weakly: a model's parameters are not kept
+    alive by this cache."""
 
     def __init__(self, w: torch.Tensor, vectors, eps: float):
         self.refs, self.eps = [weakref.ref(t) for t in (w, *vectors)], eps
