@@ -4,10 +4,11 @@ GEMM: y = relu(A @ W1 * s1 + b1 + residual), z = relu(y @ W2 * s2 + b2), y store
 Entry point: `python bench/chain_proto.py [--batches 256,32] [--pairs S,S] [--quick] [--out DIR]`, on a GPU
 machine. A prototype Triton kernel (persistent, TMA descriptors, y kept in registers between the two products,
 the batch norms as folded scale and shift) is timed per config on ResNet-50's tail/head pairs and checked against
-fp32. The peer is what resfuse runs today: the two fused convs (batch norm + residual + relu, then batch norm +
-relu), each tuned on its own. Also shown: the two bare cuDNN 1x1 convs, and the floors of both forms. A probe,
-not a product kernel: its epilogues are fixed, not generated from a signature. Prints a table; rows go to
-DIR/chain.json.
+fp32. The peer is what resfuse ran before the chain: the two fused convs (batch norm + residual + relu, then
+batch norm + relu), each tuned on its own. The product column is resfuse::conv2d_chain as tuned (kernels/chain.py,
+generated epilogues; or the two convs, where those win), with the choice named. Also shown: the two bare cuDNN
+1x1 convs, and the floors of both forms. The prototype's epilogues are fixed, not generated from a signature.
+Prints a table; rows go to DIR/chain.json.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ import kernels as kb  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import resfuse.ops  # noqa: E402,F401  registers torch.ops.resfuse
+from resfuse.ops import chain as chain_op  # noqa: E402
+from resfuse.tuning import choose  # noqa: E402
 
 # (name, H=W, K1 = the tail's input channels, N1 = its output channels, N2 = the next head's output channels)
 PAIRS = [("l1 64>256>64", 56, 64, 256, 64), ("l1>l2 64>256>128", 56, 64, 256, 128),
@@ -120,13 +123,23 @@ def run_pair(name, hw, k1, n1, n2, batch, peak, bw) -> dict:
                                       "triton")
         return torch.ops.resfuse.conv2d(y4, c2, bn2, "relu(bn[#1e-05](acc,c0,c1,c2,c3))", *one, "triton")
     fused_pair()  # tunes both
+    z_now = fused_pair()
     now = kb.bench(fused_pair)
+    # the product: resfuse::conv2d_chain as the tuner chose it (our chain kernel, or the two convs above)
+    chain_args = (x1, c1, [*bn1, r4], "relu(add(bn[#1e-05](acc,c0,c1,c2,c3),full4))", c2, bn2,
+                  "relu(bn[#1e-05](acc,c0,c1,c2,c3))")
+    torch.ops.resfuse.conv2d_chain(*chain_args, "triton")  # first sight: the two convs, then the chain is tuned
+    product_choice = choose.settled(chain_op.call_of(*chain_args))
+    _, z_product = torch.ops.resfuse.conv2d_chain(*chain_args, "triton")
+    product = kb.bench(lambda: torch.ops.resfuse.conv2d_chain(*chain_args, "triton"))
     flops = 2 * m * (k1 * n1 + n1 * n2)
     sep_bytes = 2 * m * (k1 + 3 * n1 + n1 + n2)  # tail reads a, res, writes y; head reads y, writes z
     chain_bytes = 2 * m * (k1 + 2 * n1 + n2)
     best = min(rows, key=lambda r: r[1]) if rows else (None, float("nan"), float("nan"))
     return {"pair": name, "batch": batch, "chain_us": best[1], "chain_cfg": best[0], "err": best[2],
-            "cudnn_pair_us": cudnn, "resfuse_pair_us": now,
+            "cudnn_pair_us": cudnn, "resfuse_pair_us": now, "product_us": product,
+            "product_choice": f"{product_choice.provider} {product_choice.config}",
+            "product_err_vs_pair": kb.rel_err(z_product, z_now.float()),
             "floor_separate_us": max(flops / peak, sep_bytes / bw) * 1e6,
             "floor_chain_us": max(flops / peak, chain_bytes / bw) * 1e6, "all": [(c, u) for c, u, _ in rows]}
 
@@ -141,7 +154,6 @@ def main(argv=None) -> None:
     global QUICK
     QUICK = args.quick
     from resfuse.config import Config
-    from resfuse.tuning import choose
     cfg = Config.from_env()  # the tuner's settings, as resfuse.compile applies them
     choose.configure(cfg.tuning, cfg.cache_dir, cfg.tuning_budget_s, cfg.retune)
     peak, bw = kb.measure_ceilings()
@@ -154,12 +166,13 @@ def main(argv=None) -> None:
             rows.append(run_pair(*pp, int(b), peak, bw))
             with open(os.path.join(args.out, "chain.json"), "w") as f:  # after each pair: a timeout keeps the rest
                 json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1, default=str)
-    print(f"\n{'pair':20} {'bs':>4} {'chain':>8} {'resfuse':>8} {'ratio':>6} {'cuDNN x2':>9} {'floor sep':>9} "
-          f"{'floor chain':>11} {'err':>8}")
+    print(f"\n{'pair':20} {'bs':>4} {'chain':>8} {'resfuse':>8} {'ratio':>6} {'product':>8} {'ratio':>6} "
+          f"{'cuDNN x2':>9} {'floor sep':>9} {'floor chain':>11} {'err':>8}")
     for r in rows:
         print(f"{r['pair']:20} {r['batch']:4} {r['chain_us']:8.1f} {r['resfuse_pair_us']:8.1f} "
-              f"{r['resfuse_pair_us'] / r['chain_us']:6.2f} {r['cudnn_pair_us']:9.1f} {r['floor_separate_us']:9.1f} "
-              f"{r['floor_chain_us']:11.1f} {r['err']:8.1e}   {r['chain_cfg']}")
+              f"{r['resfuse_pair_us'] / r['chain_us']:6.2f} {r['product_us']:8.1f} "
+              f"{r['resfuse_pair_us'] / r['product_us']:6.2f} {r['cudnn_pair_us']:9.1f} {r['floor_separate_us']:9.1f} "
+              f"{r['floor_chain_us']:11.1f} {r['err']:8.1e}   {r['chain_cfg']}  product: {r['product_choice']}")
 
 
 if __name__ == "__main__":

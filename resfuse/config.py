@@ -41,6 +41,10 @@ class Config:
     ("Run max-pool and its backward on resfuse's Triton kernels instead of ATen's, where the fused ops run on "
      "Triton; a relu gradient right after the pool's is applied on the way out, and an inference pool computes "
      "the monotone epilogue (batch norm, relu) of the conv it reads.")
+    chain_convs: bool = True
+    ("In inference, where a fused 1x1 conv's output is read by another fused 1x1 conv (a bottleneck's tail and the "
+     "next block's head), offer the tuner both as one kernel that multiplies each chunk of the first's output into "
+     "the second's before it leaves the registers; the tuner keeps it only where it measures faster.")
     pad_channels: bool = True
     ("Where a conv left to cuDNN reads a 3-channel fp16 channels_last image (a CNN's stem), read it zero-padded to 4 "
      "channels, cast from fp32 in the same pass, instead of letting cuDNN pad it in a pass of its own before the "

@@ -99,6 +99,12 @@ def _bn_ref(x, m, v, w, b, eps):
     return torch.addcmul(_small(b) - _small(m) * scale, x, scale)
 
 
+def _bn_tl(x: str, scale: str, m: str, b: str) -> str:
+    # as _bn_ref: a scale and shift per channel, computed on the [1, C] vectors (the compiler merges the two
+    # copies of the scale), then one multiply-add per element instead of a subtract and two multiplies and an add
+    return f"({x} * {scale} + ({b} - {m} * {scale}))"
+
+
 @dataclasses.dataclass(frozen=True)
 class OpSpec:
     arity: int
@@ -137,8 +143,8 @@ OPS: dict[str, OpSpec] = {
     # arguments: the partial sums of that batch norm's backward (kernels/batch_norm_bwd.py). Only ever the root.
     "bn_stats": OpSpec(3, lambda g, x, mean: g, lambda g, x, mean: g),
     # inference batch norm over per-channel mean, var, weight, bias; params: eps
-    "bn": OpSpec(5, lambda x, m, v, w, b, eps: _bn_ref(x, m, v, w, b, eps),
-                 lambda x, m, v, w, b, eps: f"(({x} - {m}) * tl.rsqrt({v} + {eps!r}) * {w} + {b})"),
+    "bn": OpSpec(5, lambda x, m, v, w, b, eps: _bn_ref(x, m, v, w, b, eps), lambda x, m, v, w, b, eps: _bn_tl(
+        x, f"({w} * tl.rsqrt({v} + {eps!r}))", m, b)),
     # training batch norm's affine step over per-channel mean, scale (invstd * weight) and shift (bias), as
     # kernels/batch_norm.py applies it: a residual block's shortcut batch norm, folded into the main path's
     # batch norm, normalizes its input here (passes/shortcut_bn.py); the reference, as bn's, folds the per-channel
@@ -368,29 +374,33 @@ def _evaluate(n: Node, acc3: torch.Tensor, ops3: list[torch.Tensor]) -> torch.Te
 
 
 # ---- Triton source -----------------------------------------------------------------------------------------
-def triton_params(tree: Node) -> list[str]:
-    """Kernel parameters for the operands: a pointer and [S, P, C] strides each."""
-    return [f"{p}{o.slot}" for o in operands(tree) for p in ("op", "op_sn", "op_sp", "op_sc")]
+def triton_params(tree: Node, prefix: str = "") -> list[str]:
+    """Kernel parameters for the operands: a pointer and [S, P, C] strides each (names start with `prefix`, so
+    that two epilogues can share a kernel: kernels/chain.py)."""
+    return [f"{prefix}{p}{o.slot}" for o in operands(tree) for p in ("op", "op_sn", "op_sp", "op_sc")]
 
 
-def triton_body(tree: Node, out: str = "y", tma_slots: tuple[int, ...] = ()) -> str:
+def triton_body(tree: Node, out: str = "y", tma_slots: tuple[int, ...] = (), prefix: str = "") -> str:
     """Source that loads the operands and assigns the epilogue value to `out` (and an aux node's to `aux_y`).
 
     It expects in scope: `acc` [BM, BC] fp32, `offs_c` [BC], `mask_c` [BC], `s_idx` and `p_idx` [BM] (the
     sample and row of each output row), and `mask` [BM, BC]. A full operand whose slot is in `tma_slots` is a
     tensor descriptor of an [M, C] matrix whose rows are the output's, read as the [BM, BC] box at (row0, col0),
-    which must be in scope too (boxes past the edges read zeros, as the masked loads do).
+    which must be in scope too (boxes past the edges read zeros, as the masked loads do). The names it reads
+    (parameters, as triton_params gives them) and defines (operand values, temporaries) start with `prefix`.
     """
     lines = []
+    op, v = f"{prefix}op", f"{prefix}v"
     for o in operands(tree):
         i = o.slot
         if i in tma_slots:
-            lines.append(f"v{i} = op{i}.load([row0, col0]).to(tl.float32)")
+            lines.append(f"{v}{i} = {op}{i}.load([row0, col0]).to(tl.float32)")
         elif o.kind == "c":
-            lines.append(f"v{i} = tl.load(op{i} + offs_c * op_sc{i}, mask=mask_c, other=0.0).to(tl.float32)[None, :]")
+            lines.append(f"{v}{i} = tl.load({op}{i} + offs_c * {op}_sc{i}, mask=mask_c, other=0.0)"
+                         ".to(tl.float32)[None, :]")
         else:
-            rows = f"s_idx[:, None] * op_sn{i}" + (f" + p_idx[:, None] * op_sp{i}" if o.kind == "full" else "")
-            lines.append(f"v{i} = tl.load(op{i} + {rows} + offs_c[None, :] * op_sc{i}, mask=mask, other=0.0)"
+            rows = f"s_idx[:, None] * {op}_sn{i}" + (f" + p_idx[:, None] * {op}_sp{i}" if o.kind == "full" else "")
+            lines.append(f"{v}{i} = tl.load({op}{i} + {rows} + offs_c[None, :] * {op}_sc{i}, mask=mask, other=0.0)"
                          ".to(tl.float32)")
     names: dict[Node, str] = {}
 
@@ -398,7 +408,7 @@ def triton_body(tree: Node, out: str = "y", tma_slots: tuple[int, ...] = ()) -> 
         if n == ACC:
             return "acc"
         if isinstance(n, Operand):
-            return f"v{n.slot}"
+            return f"{v}{n.slot}"
         if isinstance(n, Const):
             return repr(n.value)
         if n.name == "aux":
@@ -406,7 +416,7 @@ def triton_body(tree: Node, out: str = "y", tma_slots: tuple[int, ...] = ()) -> 
             return "aux_y"
         if n not in names:
             expr = OPS[n.name].tl(*[ev(a) for a in n.args], *n.params)
-            names[n] = f"t{len(names)}"
+            names[n] = f"{prefix}t{len(names)}"
             lines.append(f"{names[n]} = {expr}")
         return names[n]
 

@@ -8,6 +8,8 @@ Entry points, called by ops/fused.py:
                                                      (stats: fp32 [2, C] sums of an epilogue's bn_stats root)
   gemm(a, b, operands, signature, out, config=None, aux=None) -> out
                                                      (aux: the second output of an epilogue with an aux node)
+  conv2d_chain(x, w1, operands1, signature1, w2, operands2, signature2, y, z, config=None) -> (y, z)
+                                                     two 1x1 convs, the second reading the first's output (chain.py)
   epilogue(acc, operands, signature, out, channel_dim, aux=None, stats=None) -> out
                                                      the epilogue alone, on an ATen result
   batch_norm_train(...), batch_norm_stats(...),     training batch norm (batch_norm.py, batch_norm_bwd.py)
@@ -85,6 +87,11 @@ def conv2d(x, w, operands, signature, stride, padding, dilation, out, config=Non
 def conv2d_dgrad(grad_out, w, operands, signature, stride, padding, dilation, out, config=None, stats=None):
     from .launch import conv2d_dgrad as run
     return run(grad_out, w, operands, signature, stride, padding, dilation, out, config, stats)
+
+
+def conv2d_chain(x, w1, operands1, signature1, w2, operands2, signature2, y, z, config=None):
+    from .chain import conv2d_chain as run
+    return run(x, w1, operands1, signature1, w2, operands2, signature2, y, z, config)
 
 
 def epilogue(acc, operands, signature, out, channel_dim, aux=None, stats=None):

@@ -27,8 +27,9 @@ from .activations import HELPERS
 # cached winners were chosen without it (3: depthwise convs; 4: persistent GEMMs; 5: mainloops return row_block;
 # 6: the GEMM's TMA families read full operands through descriptors; 7: the aten provider's lone bias as addmm
 # and the cudnn provider's matmul graphs, candidates the cached winners never met; 8: each of cuDNN's first engine
-# configs is its own candidate, and its winner's name is kept)
-TEMPLATE_VERSION = 8
+# configs is its own candidate, and its winner's name is kept; 9: an inference batch norm is one multiply-add per
+# element, and the chain kernel of two 1x1 convs is a candidate)
+TEMPLATE_VERSION = 9
 
 _LOADED: dict[tuple[str, str], object] = {}
 _LOCK = threading.Lock()

@@ -3,7 +3,8 @@ computed once per key and reused (launch.py builds them, batch_norm*.py too).
 
 Entry points: `Plan` (its `launch` fills in the tensors, each call), `plan_key`, `cached_launch`, `operand_strides`
 (each operand's [S, P, C] strides), `descriptor_operands` (the full operands a TMA family reads through tensor
-descriptors), `pdl_meta` (programmatic dependent launch's options) and `sm_count`.
+descriptors), `operand_args` (an epilogue's kernel arguments, from those two), `pdl_meta` (programmatic dependent
+launch's options) and `sm_count`.
 """
 from __future__ import annotations
 
@@ -63,16 +64,7 @@ class Plan:
         if self.prepare is not None:
             tensors = self.prepare(*tensors)
         ws, tickets = split_k.buffers(out, *self.ws_shape)
-        op_args = []
-        views = None
-        for i, (t, strides) in enumerate(zip(operands, self.operand_strides)):
-            if strides is None:
-                views = views or epi.operand_views(epi.parse(signature), operands, out_shape, channel_dim)
-                t, strides = views[i], views[i].stride()
-            elif i in self.operand_boxes:
-                from triton.tools.tensor_descriptor import TensorDescriptor
-                t = TensorDescriptor(t, *self.operand_boxes[i])
-            op_args += [t, *strides]
+        op_args = operand_args(operands, self.operand_strides, self.operand_boxes, signature, out_shape, channel_dim)
         outs = (out,) if aux is None else (out, aux)  # the aux output is written through out's offsets
         if stats is not None:
             partials = torch.empty((*stats.shape, self.row_blocks), dtype=torch.float32, device=out.device)
@@ -81,6 +73,22 @@ class Plan:
         if stats is not None:
             torch.sum(partials, -1, out=stats)
         return out
+
+
+def operand_args(operands, strides: list, boxes: dict, signature: str, out_shape, channel_dim: int) -> list:
+    """The kernel arguments of an epilogue's operands (epilogue.triton_params): each a pointer, or a tensor
+    descriptor for a slot in `boxes` (descriptor_operands), then its [S, P, C] strides (operand_strides; None: the
+    view is not a view of the tensor, so a copy is made this call)."""
+    args, views = [], None
+    for i, (t, st) in enumerate(zip(operands, strides)):
+        if st is None:
+            views = views or epi.operand_views(epi.parse(signature), operands, out_shape, channel_dim)
+            t, st = views[i], views[i].stride()
+        elif i in boxes:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+            t = TensorDescriptor(t, *boxes[i])
+        args += [t, *st]
+    return args
 
 
 _PLANS: dict = {}

@@ -14,6 +14,7 @@ import torch.fx as fx
 from ..config import Config
 from .add_to_output import add_to_output
 from .bn_backward import batch_norm_backward
+from .chain import chain_convs
 from .conv_stats import conv_stats
 from .match_epilogue import match_epilogue
 from .pad_channels import pad_channels
@@ -56,6 +57,7 @@ PASSES = [
     ("conv_stats", conv_stats),  # after the batch-norm fusions: hands their conv's sums to the final batch norms
     ("bn_backward", batch_norm_backward),  # after the fusions: its grad_out is their dgrad's output
     ("max_pool", max_pool),  # after the fusions, which never absorb a pool: its input is their output
+    ("chain_convs", chain_convs),  # after the fusions: pairs their fused 1x1 convs, epilogues complete
     ("pad_channels", pad_channels),  # after every fusion: pads the image of a conv left to cuDNN, no fused op's
     ("report", _collect),  # last: reads the final graph
 ]

@@ -19,6 +19,14 @@ def val(node) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
+def hint(size) -> int:
+    """An int for a size that may be symbolic (a dynamic batch): the size seen at capture, read without adding a
+    guard, for estimates only (the report's bytes and peaks). An unbacked size, which has none, counts as 0."""
+    if isinstance(size, torch.SymInt):
+        return int(size.node.hint) if size.node.hint is not None else 0
+    return int(size)
+
+
 def static_tensor(node: fx.Node) -> str | None:
     v = val(node)
     if v is None:

@@ -10,11 +10,15 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from .legality import hint
+
 
 def _nbytes(node: fx.Node) -> int:
+    """Bytes of the node's value; a symbolic size (a dynamic batch) counts at its hint, the size seen at capture,
+    without a guard (a comparison of symbolic sizes would add one, and the report could not print them)."""
     v = node.meta.get("val")
     vals = v if isinstance(v, (tuple, list)) else [v]
-    return sum(t.untyped_storage().nbytes() for t in vals if isinstance(t, torch.Tensor))
+    return sum(hint(t.untyped_storage().nbytes()) for t in vals if isinstance(t, torch.Tensor))
 
 
 def _owner(node: fx.Node) -> fx.Node:

@@ -62,7 +62,23 @@ def bytes_saved(tree: epi.Node, out: torch.Tensor) -> int:
         return 1 + sum(full(a) for a in n.args) + sum(unfused(a) for a in n.args)
 
     n_full = sum(o.kind == "full" for o in epi.operands(tree))
-    return (unfused(tree) - n_full) * out.numel() * out.element_size()
+    return (unfused(tree) - n_full) * _numel(out) * out.element_size()
+
+
+def _numel(t: torch.Tensor) -> int:
+    """t's element count; under a dynamic batch, at the size seen at capture (no guard, and printable)."""
+    return legality.hint(t.numel())
+
+
+def _chain_fusion(node: fx.Node, sig: str) -> tuple[list, str, dict, int]:
+    """(ops, pattern, shapes, bytes saved) of a conv2d_chain (passes/chain.py): both convs' epilogues, and the
+    second conv no longer reading the first's output y."""
+    trees = [epi.parse(s) for s in sig.split(";")]
+    y, z = node.meta["val"]
+    ops = [*epi.pattern_ops(trees[0]), "conv2d", *epi.pattern_ops(trees[1])]
+    shapes = {"inputs": [_shape(node.args[0]), _shape(node.args[1]), _shape(node.args[4])], "out": tuple(z.shape)}
+    saved = bytes_saved(trees[0], y) + bytes_saved(trees[1], z) + _numel(y) * y.element_size()
+    return ops, "_".join(["conv2d", *ops]), shapes, saved
 
 
 def _shape(node) -> tuple | None:
@@ -94,14 +110,19 @@ class Report:
             if node.op != "call_function" or info is None:
                 continue
             sig = info.get("signature") or signature(node)
-            val = node.meta["val"]
-            tree, out = epi.parse(sig), val[0] if isinstance(val, tuple) else val
-            ops = epi.pattern_ops(tree)
-            shapes = {"inputs": [_shape(a) for a in node.args[:2] if isinstance(a, fx.Node)], "out": tuple(out.shape)}
-            over = legality.val(node.args[0]) if info.get("prologue") else out  # where the epilogue's values lie
             before = {p: n for (op, s, p), n in PATHS.items() if op == info["anchor"] and s == sig}
-            self.fusions.append(Fusion(graph, info["anchor"], ops, "_".join([info["anchor"], *ops]),
-                                       info["sources"], shapes, bytes_saved(tree, over), sig,
+            if info["anchor"] == "conv2d_chain":
+                ops, pattern, shapes, saved = _chain_fusion(node, sig)
+            else:
+                val = node.meta["val"]
+                tree, out = epi.parse(sig), val[0] if isinstance(val, tuple) else val
+                ops = epi.pattern_ops(tree)
+                pattern = "_".join([info["anchor"], *ops])
+                shapes = {"inputs": [_shape(a) for a in node.args[:2] if isinstance(a, fx.Node)],
+                          "out": tuple(out.shape)}
+                over = legality.val(node.args[0]) if info.get("prologue") else out  # where the epilogue's values lie
+                saved = bytes_saved(tree, over)
+            self.fusions.append(Fusion(graph, info["anchor"], ops, pattern, info["sources"], shapes, saved, sig,
                                        node.args[-1], before))
             fused_names = set(info["sources"])
             for key in [k for k in self.rejected_by_node if k[0] == graph and k[1] in fused_names]:

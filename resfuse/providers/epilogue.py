@@ -13,6 +13,8 @@ from ..tuning.select import Candidate
 
 
 def refusal(call) -> str | None:
+    if call.op == "conv2d_chain":
+        return "a chain of two convs: the separate provider runs them as two ops"
     return None if kernels.available(call.out.device) else f"no Triton kernels on {call.out.device}"
 
 

@@ -1,12 +1,14 @@
 """The triton provider: our generated kernels, one candidate per config of the level's space.
 
-Each candidate has an epilogue-free twin (signature "acc") for stage 1; both write to scratch buffers.
+Each candidate has an epilogue-free twin (signature "acc") for stage 1, but the chain kernel's; all write to
+scratch buffers.
 """
 from __future__ import annotations
 
 import dataclasses
 
 from .. import kernels
+from ..kernels import chain
 from ..kernels.conv2d_depthwise import is_depthwise
 from ..tuning import space
 from ..tuning.select import Candidate
@@ -20,6 +22,8 @@ def refusal(call) -> str | None:
         return "grouped convolution that is not depthwise"
     if call.op == "conv2d_dgrad" and call.out.shape[1] != call.inputs[1].shape[1]:
         return "grouped convolution's data gradient"
+    if call.op == "conv2d_chain":
+        return chain.refusal(*call.inputs) or chain.unaligned(*call.inputs)
     return None
 
 
@@ -32,6 +36,8 @@ def _launch(call, signature: str, operands, out, config, aux=None, stats=None):
 
 
 def candidates(call, level: str) -> list[Candidate]:
+    if call.op == "conv2d_chain":
+        return _chain_candidates(call, level)
     scratch, bare, own = call.out.empty(), call.out.empty(), call.scratch()
     out = []
     for cfg in space.configs(call, level):
@@ -41,3 +47,14 @@ def candidates(call, level: str) -> list[Candidate]:
             run=lambda cfg=cfg: _launch(call, call.signature, call.operands, scratch, cfg, own.aux, own.stats),
             mainloop=lambda cfg=cfg: _launch(call, "acc", [], bare, cfg)))
     return out
+
+
+def _chain_candidates(call, level: str) -> list[Candidate]:
+    """Our chain kernel's configs, stage 2 only: with both epilogues removed it would compute something else
+    (z from y without its epilogue), so there is no epilogue-free twin to time first."""
+    from ..ops import chain as op
+
+    y, z = op.y_output(call).empty(), call.out.empty()
+    return [Candidate("triton", "triton:" + ",".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()),
+                      dataclasses.asdict(cfg), run=lambda cfg=cfg: op.run_chain(call, cfg, y, z))
+            for cfg in space.configs(call, level)]

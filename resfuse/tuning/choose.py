@@ -1,8 +1,10 @@
 """Which provider and config runs a fused op: remembered, or measured on first sight of a shape.
 
 Entry points: `choose(call) -> Choice`, called by the custom ops on every CUDA call (a dict hit after the
-first); `configure(level, cache_dir, budget_s, force)`, called by resfuse.compile; `tune(call, bench=...)`,
-the measurement itself (tests inject the benchmarker).
+first); `settled(call)`, the same where that needs no measurement (ops/chain.py runs the two convs of a chain
+first, which tunes each on its own, before its own choice is measured); `configure(level, cache_dir, budget_s,
+force)`, called by resfuse.compile; `tune(call, bench=...)`, the measurement itself (tests inject the
+benchmarker).
 
 Order of lookup: this process's choices, then the SQLite cache (tuning/cache.py), then tuning with the
 two-stage selection (select.py) over the providers' candidates, stored unless the budget ran out (an op
@@ -36,11 +38,11 @@ TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float32: 2e-3}  # 
 @dataclasses.dataclass
 class Call:
     """One invocation of a fused op, as the providers need it."""
-    op: str  # "conv2d" | "gemm" | "conv2d_dgrad"
-    inputs: tuple  # (x, w), (a, b) or (grad_out, w)
+    op: str  # "conv2d" | "gemm" | "conv2d_dgrad" | "conv2d_chain" (ops/chain.py: both epilogues in `signature`)
+    inputs: tuple  # (x, w), (a, b), (grad_out, w) or (x, w1, w2)
     operands: list
     signature: str
-    params: tuple  # conv2d and conv2d_dgrad: (stride, padding, dilation); gemm: (out_shape,)
+    params: tuple  # conv2d and conv2d_dgrad: (stride, padding, dilation); gemm: (out_shape,); chain: (operands1,)
     out: Output  # described, not allocated: each provider allocates its own (candidates: scratch, never live data)
     aux: torch.Tensor | None = None  # the op's aux output, for an epilogue with an aux node (candidates: scratch)
     stats: torch.Tensor | None = None  # the op's [2, C] sums, for an epilogue with a bn_stats root (likewise)
@@ -55,7 +57,7 @@ class Call:
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    provider: str  # "triton" | "epilogue" | "cudnn" | "aten"
+    provider: str  # "triton" | "epilogue" | "cudnn" | "aten"; a chain: "triton" | "separate" (any other: separate)
     config: object | None  # triton: a kernel config (None: the heuristic default); cudnn: {"engine", "fold_bn"} or None
 
 
@@ -93,6 +95,13 @@ def key(call: Call) -> Key:
     return Key(call.op, (*[tuple(t.shape) for t in call.inputs], flat),
                (*[str(t.dtype) for t in tensors], str(out.dtype)),
                (*[tuple(t.stride()) for t in tensors], tuple(out.strides)), call.signature, gpu, sms, versions)
+
+
+def settled(call: Call) -> Choice | None:
+    """choose(call) where that needs no measurement now; None where it would tune (first sight of the shapes)."""
+    if _SETTINGS["level"] == "none" or not _tunable(call.out.device):
+        return choose(call)
+    return _CHOICES.get(fast_key(call))
 
 
 def choose(call: Call) -> Choice:
@@ -228,8 +237,9 @@ def tune(call: Call, *, bench, level: str, budget_s: float = float("inf"), repor
         print(f"resfuse: {call.op} {_shape(call)} {call.signature}: every candidate missed a first reference, "
               f"then matched a fresh one ({misses[0][:300]})")
     best = outcome.times[outcome.winner.name]
-    aten = outcome.times.get("aten")
-    vs_aten = f"{aten / best:.2f}x over aten" if aten is not None else "aten not measured"
+    peer = "separate" if call.op == "conv2d_chain" else "aten"  # a chain's peer: its two convs, each tuned
+    base = outcome.times.get(peer)
+    vs_aten = f"{base / best:.2f}x over {peer}" if base is not None else f"{peer} not measured"
     report(f"resfuse: tuned {call.op} {_shape(call)} {call.signature}: {outcome.winner.name} {best * 1e6:.1f} us, "
            f"{vs_aten}")
     top = dict(sorted(outcome.times.items(), key=lambda kv: kv[1])[:5])
@@ -264,9 +274,13 @@ def _shape(call: Call) -> str:
     return "x".join(map(str, call.out.shape))
 
 
-def _reference(call: Call) -> torch.Tensor:
-    """The unfused computation in fp32 from upcast inputs: what every candidate is checked against."""
+def _reference(call: Call) -> torch.Tensor | tuple:
+    """The unfused computation in fp32 from upcast inputs: what every candidate is checked against (a chain's:
+    y and z, z computed from the fp32 y)."""
     up = dataclasses.replace(call, inputs=tuple(t.float() for t in call.inputs),
                              operands=[t.float() for t in call.operands],
                              out=dataclasses.replace(call.out, dtype=torch.float32), aux=None, stats=None)
+    if call.op == "conv2d_chain":
+        from ..ops import chain
+        return chain.reference(up)
     return providers.aten.run(up, up.out.empty())

@@ -26,7 +26,7 @@ class Candidate:
     provider: str  # "triton" | "epilogue" | "cudnn" | "aten"
     name: str
     config: dict
-    run: Callable[[], torch.Tensor]  # the fused op on scratch buffers, returns its output
+    run: Callable[[], torch.Tensor]  # the fused op on scratch buffers, returns its output (a tuple: its outputs)
     mainloop: Callable[[], object] | None = None  # the same config without the epilogue (stage 1), if any
 
 
@@ -47,7 +47,12 @@ def _timed(bench, fn) -> tuple[float | None, str | None]:
     return float(t), None
 
 
-def _wrong(out, reference: torch.Tensor, tol: float) -> str | None:
+def _wrong(out, reference, tol: float) -> str | None:
+    if isinstance(reference, tuple):  # an op of several outputs (a chain's y and z): each is checked
+        if not isinstance(out, tuple) or len(out) != len(reference):
+            return f"{type(out).__name__} output where {len(reference)} outputs were expected"
+        return next((f"output {i}: {why}" for i, (o, r) in enumerate(zip(out, reference))
+                     if (why := _wrong(o, r, tol))), None)
     if not isinstance(out, torch.Tensor) or out.shape != reference.shape:
         return f"output shape {getattr(out, 'shape', None)} != {tuple(reference.shape)}"
     out64, ref64 = out.double(), reference.double()
@@ -64,7 +69,7 @@ def _relerr(x64: torch.Tensor, ref64: torch.Tensor) -> float:
     return ((x64 - ref64).nan_to_num().norm() / ref64.nan_to_num().norm().clamp_min(1e-30)).item()
 
 
-def select(candidates: list[Candidate], reference: torch.Tensor, *, bench: Callable[[Callable], float],
+def select(candidates: list[Candidate], reference: torch.Tensor | tuple, *, bench: Callable[[Callable], float],
            tol: float, top_k: int = 4, budget_s: float = math.inf,
            clock: Callable[[], float] = time.monotonic) -> Outcome:
     start, discarded = clock(), {}

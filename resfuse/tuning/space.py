@@ -1,10 +1,11 @@
 """The tuning space per level: which kernel configs the triton provider offers for one fused op.
 
 Entry point: `configs(call, level)`. The space itself is declared beside each kernel (`SPACE` and the
-config's `check` in kernels/matmul.py, kernels/conv2d_fprop.py, kernels/conv2d_depthwise.py and
-kernels/conv2d_bwd_data.py); here it is pruned by level:
+config's `check` in kernels/matmul.py, kernels/conv2d_fprop.py, kernels/conv2d_depthwise.py,
+kernels/conv2d_bwd_data.py and kernels/chain.py); here it is pruned by level:
   none  the heuristic default only (no tuning);
-  fast  the default and a few tile shapes around it that suit Hopper (the default level);
+  fast  the default and a few tile shapes around it that suit Hopper (the default level); for the chain kernel,
+        the default and its whole space (eight configs);
   max   every point of SPACE that passes `check` (hundreds of compiles: slow).
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from ..kernels import conv2d_bwd_data, conv2d_depthwise, conv2d_fprop, launch, matmul
+from ..kernels import chain, conv2d_bwd_data, conv2d_depthwise, conv2d_fprop, launch, matmul
 from ..kernels.launch import sm_count
 
 # (block_m, block_n, num_warps, num_stages) tried by "fast", besides the heuristic default
@@ -27,7 +28,8 @@ FAST_TILES = ((128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4), (128, 256, 8, 
 # ConvNeXt/BERT GEMMs) used one of these, and beat the best one-tile-per-program config by up to 1.31x.
 PERSISTENT_TILES = ((128, 64), (128, 128), (256, 128))
 LEVELS = ("none", "fast", "max")
-MODULES = {"conv2d": conv2d_fprop, "gemm": matmul, "conv2d_dgrad": conv2d_bwd_data}  # op -> its kernel's space
+MODULES = {"conv2d": conv2d_fprop, "gemm": matmul, "conv2d_dgrad": conv2d_bwd_data,  # op -> its kernel's space
+           "conv2d_chain": chain}
 
 
 def module(call):
@@ -49,6 +51,10 @@ def problem(call):
         oh, ow = call.out.shape[2:]
         return conv2d_fprop.ConvProblem(x.shape[0], x.shape[1], w.shape[0], w.shape[2], w.shape[3], oh, ow,
                                         x.element_size(), sm_count(dev))
+    if call.op == "conv2d_chain":
+        x, w1, w2 = call.inputs
+        return chain.ChainProblem(call.out.shape[0] * call.out.shape[2] * call.out.shape[3], x.shape[1], w1.shape[0],
+                                  w2.shape[0], x.element_size(), sm_count(dev))
     if call.op == "conv2d_dgrad":
         grad_out, w = call.inputs
         stride = call.params[0]
@@ -79,10 +85,10 @@ def configs(call, level: str) -> list:
     default = family.default_config(p)
     if level == "none":
         return [default]
-    if level == "max":
+    if level == "max" or family is chain:  # the chain's whole space is a handful of configs
         cls = type(default)
         points = (cls(**dict(zip(family.SPACE, values))) for values in itertools.product(*family.SPACE.values()))
-        found = [c for c in points if c.check(p)]
+        found = [default] * (family is chain) + [c for c in points if c.check(p)]
     elif family is conv2d_depthwise:
         found = conv2d_depthwise.fast_configs(default)
     else:

@@ -1,0 +1,142 @@
+"""The chain pass (passes/chain.py) and resfuse::conv2d_chain through whole compiles under the interpreter:
+bottleneck blocks in fp16 channels_last match eager, each tail and head 1x1 pair becomes one chain op whose
+first output still feeds the residual, and the pairs the kernel cannot take say why."""
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings, strategies as st
+
+import resfuse
+from resfuse.ops import PATHS
+
+from .helpers import reasons, rel
+
+
+class Bottleneck(nn.Module):
+    """torchvision's ResNet bottleneck (v1.5: the stride in the 3x3 conv), written out: CI has no torchvision."""
+
+    def __init__(self, cin, mid, stride=1):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid)
+        self.conv2, self.bn2 = nn.Conv2d(mid, mid, 3, stride, 1, bias=False), nn.BatchNorm2d(mid)
+        self.conv3, self.bn3 = nn.Conv2d(mid, mid * 4, 1, bias=False), nn.BatchNorm2d(mid * 4)
+        self.down = None
+        if stride != 1 or cin != mid * 4:
+            self.down = nn.Sequential(nn.Conv2d(cin, mid * 4, 1, stride, bias=False), nn.BatchNorm2d(mid * 4))
+
+    def forward(self, x):
+        skip = x if self.down is None else self.down(x)
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = torch.relu(self.bn2(self.conv2(out)))
+        return torch.relu(self.bn3(self.conv3(out)) + skip)
+
+
+def _stage(cin, mid, blocks, stride):
+    layers = [Bottleneck(cin, mid, stride)] + [Bottleneck(mid * 4, mid) for _ in range(blocks - 1)]
+    for m in nn.Sequential(*layers).modules():
+        if isinstance(m, nn.BatchNorm2d):  # statistics a trained net could have, not the identity
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.5, 0.5)
+    return layers
+
+
+def _net(*stages):
+    return nn.Sequential(nn.Conv2d(3, stages[0][0], 3, padding=1), *[b for s in stages for b in _stage(*s)])
+
+
+def _compare(model, x, **config):
+    model = model.eval().half().to(memory_format=torch.channels_last)
+    x = x.half().contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        ref = model.double()(x.double())
+        model.half()
+        torch._dynamo.reset()
+        PATHS.clear()
+        compiled = resfuse.compile(model, **{"interpret": True, **config})
+        out = compiled(x)
+    return out, ref, compiled.resfuse_report
+
+
+@settings(max_examples=6, deadline=None)
+@given(blocks=st.integers(2, 3), mid=st.sampled_from([16, 32]), size=st.tuples(st.integers(2, 6), st.integers(2, 7)),
+       batch=st.integers(1, 2))
+def test_bottleneck_pairs_become_chains_and_match_eager(blocks, mid, size, batch):
+    # a stage like ResNet's layer 1, then the first block of a strided stage, whose 1x1 head reads the last tail
+    torch.manual_seed(blocks * 100 + mid)
+    model = _net((16, mid, blocks, 1), (mid * 4, mid, 1, 2))
+    out, ref, report = _compare(model, torch.randn(batch, 3, *size))
+    assert rel(out, ref) < 5e-3
+    chains = [f for f in report.fusions if f.anchor == "conv2d_chain"]
+    # every tail of the first stage chains with the head after it (the next block's, or the strided stage's)
+    assert len(chains) == blocks
+    assert all(f.pattern == "conv2d_bn_add_relu_conv2d_bn_relu" for f in chains[1:])
+    ran = {path for (op, _, path), n in PATHS.items() if op == "conv2d_chain" and n}
+    assert ran == {"triton"}
+    assert sum(n for (op, _, _), n in PATHS.items() if op == "conv2d_chain") == len(chains)
+
+
+def test_switch_off_and_the_aten_provider_keep_two_convs():
+    model = _net((16, 16, 2, 1))
+    x = torch.randn(1, 3, 4, 4)
+    for config in ({"chain_convs": False}, {"providers": ("aten",)}):
+        out, ref, report = _compare(model, x, **config)
+        assert rel(out, ref) < 5e-3
+        assert not [f for f in report.fusions if f.anchor == "conv2d_chain"]
+
+
+class LateOperand(nn.Module):
+    """The head conv's epilogue multiplies by a tensor the graph computes after the tail conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.tail, self.head = nn.Conv2d(16, 32, 1), nn.Conv2d(32, 16, 1)
+
+    def forward(self, x, gate):
+        y = torch.relu(self.tail(x))
+        return self.head(y) * torch.sigmoid(gate)
+
+
+class WideChannels(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tail, self.head = nn.Conv2d(24, 32, 1), nn.Conv2d(32, 16, 1)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.tail(x)))
+
+
+@pytest.mark.parametrize("model, inputs, reason", [
+    (LateOperand(), [(1, 16, 3, 3), (1, 16, 3, 3)], "computed after the first conv"),
+    (WideChannels(), [(1, 24, 3, 3)], "powers of two"),
+])
+def test_pairs_the_kernel_cannot_take_say_why(model, inputs, reason):
+    model = model.eval().half().to(memory_format=torch.channels_last)
+    xs = [torch.randn(s).half().contiguous(memory_format=torch.channels_last) for s in inputs]
+    torch._dynamo.reset()
+    compiled = resfuse.compile(model, interpret=True)
+    with torch.no_grad():
+        out = compiled(*xs)
+        ref = model.double()(*[x.double() for x in xs])
+    assert rel(out, ref) < 5e-3
+    report = compiled.resfuse_report
+    assert not [f for f in report.fusions if f.anchor == "conv2d_chain"]
+    assert reason in reasons(report)
+
+
+def test_dynamic_batch_keeps_the_chain():
+    """A batch marked dynamic: one capture, its chains serve every batch size."""
+    model = _net((16, 16, 2, 1)).eval().half().to(memory_format=torch.channels_last)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(model, interpret=True)
+    with torch.no_grad():
+        for batch in (2, 3):
+            x = torch.randn(batch, 3, 4, 5).half().contiguous(memory_format=torch.channels_last)
+            torch._dynamo.mark_dynamic(x, 0)
+            ref = model.double()(x.double())
+            model.half()
+            assert rel(compiled(x), ref) < 5e-3
+    report = compiled.resfuse_report
+    assert len(report.graphs) == 1 and "static peak" in str(report)  # the report prints a symbolic batch's peak
+    assert len([f for f in report.fusions if f.anchor == "conv2d_chain"]) == 1  # block 0's tail, block 1's head
