@@ -17,6 +17,7 @@ import importlib.util
 import os
 import sys
 import tempfile
+import textwrap
 import threading
 from pathlib import Path
 
@@ -128,7 +129,7 @@ def resfuse_{family.name}(
 
 
 def _indent(source: str) -> str:
-    return "".join("    " + line if line.strip() else line for line in source.splitlines(keepends=True))
+    return textwrap.indent(source, "    ")
 
 
 def _cache_dir() -> Path:

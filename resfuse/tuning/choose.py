@@ -239,9 +239,9 @@ def tune(call: Call, *, bench, level: str, budget_s: float = float("inf"), repor
     best = outcome.times[outcome.winner.name]
     peer = "separate" if call.op == "conv2d_chain" else "aten"  # a chain's peer: its two convs, each tuned
     base = outcome.times.get(peer)
-    vs_aten = f"{base / best:.2f}x over {peer}" if base is not None else f"{peer} not measured"
+    vs_peer = f"{base / best:.2f}x over {peer}" if base is not None else f"{peer} not measured"
     report(f"resfuse: tuned {call.op} {_shape(call)} {call.signature}: {outcome.winner.name} {best * 1e6:.1f} us, "
-           f"{vs_aten}")
+           f"{vs_peer}")
     top = dict(sorted(outcome.times.items(), key=lambda kv: kv[1])[:5])
     return Entry(outcome.winner.provider, outcome.winner.config, top)
 
