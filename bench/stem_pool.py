@@ -5,6 +5,9 @@ fp16 channels_last, against the fp32 reference (max relative error):
   separate:   what resfuse runs: the image padded to 4 channels (resfuse::pad_channels), cuDNN's bare conv,
               and the max-pool evaluating batch norm + relu at each window's extremes (max_pool2d_epilogue);
   cudnn3:     the same without the padding (cuDNN pads itself);
+  folded:     the image padded, the conv with its batch norm folded into the weight and relu, as a cuDNN graph
+              (the cudnn provider's cudnn+fold_bn candidates, each engine config), then the plain max-pool:
+              what runs if the pool does not take the conv's epilogue (C = 4, and C = 3 unpadded);
   ours:       the probe kernel of bench/stem_kernel.py, every config of its fast list (--sweep: its whole
               space; --configs N: the first N).
 Times: each variant replayed from a CUDA graph (the tuner's timer), us. Prints a table last; the rows go to
@@ -79,9 +82,24 @@ def one_batch(batch: int, sweep: bool, limit: int | None) -> list[dict]:
 
     row("separate", separate)
     row("cudnn3", cudnn3)
+    from resfuse.ops.fused import call_of
+    from resfuse.providers import cudnn
+    for name, image, weight in (("folded C=4", xp, wp), ("folded C=3", x, w)):
+        call = call_of("conv2d", (image, weight), ops, SIG, CONV)
+        for cand in cudnn.candidates(call, "fast"):
+            def folded(cand=cand, image=image):
+                if image is xp:
+                    kernels.pad_channels(x, xp)
+                y = cand.run()
+                kernels.max_pool2d(y, *POOL[:4], out)
+            row(f"{name} {cand.name}", folded)
+            rows.append({"batch": batch, "variant": f"  its conv alone {cand.name}", "us": _bench(cand.run) * 1e6})
+
     conv_only = torch.ops.aten.convolution(xp, wp, None, *CONV, False, [0, 0], 1)
     rows.append({"batch": batch, "variant": "cuDNN conv alone (C=4)",
                  "us": _bench(lambda: torch.ops.aten.convolution(xp, wp, None, *CONV, False, [0, 0], 1)) * 1e6})
+    rows.append({"batch": batch, "variant": "plain pool alone",
+                 "us": _bench(lambda: kernels.max_pool2d(conv_only, *POOL[:4], out)) * 1e6})
     rows.append({"batch": batch, "variant": "pool with epilogue alone",
                  "us": _bench(lambda: kernels.max_pool2d_epilogue(conv_only, ops, SIG, *POOL[:4], out)) * 1e6})
     if sweep:
