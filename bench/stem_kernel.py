@@ -39,20 +39,19 @@ from resfuse.kernels.tiles import mma
 
 
 @triton.jit
-def conv_box(x, w, n, ph0, pw0, tile_n, H, W, KO, OH, OW, s_xn, s_xc, s_xh, s_xw, s_wk, s_wc, s_wr, s_ws,
+def conv_box(x, w, n, ph0, pw0, m0, tile_n, H, W, KO, OH, OW, s_xn, s_xc, s_xh, s_xw, s_wk, s_wc, s_wr, s_ws,
              C: tl.constexpr, R: tl.constexpr, S: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr,
              PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr, QSH: tl.constexpr, QSW: tl.constexpr,
              QPH: tl.constexpr, QPW: tl.constexpr, BHC: tl.constexpr, BWC: tl.constexpr, BM: tl.constexpr,
              BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr):
-    """The fp32 conv outputs of the box of the pooled tile whose first output is (ph0, pw0), [BM, BN]: row m is
-    conv position (oh0 + m // BWC, ow0 + m % BWC), (oh0, ow0) its first window's first tap, for the box's
-    BHC x BWC positions (rows past them are computed on zeros and flagged). Returns the accumulator, each row's
-    (oh, ow) and whether it is a position of the conv's output, and the channels. Without MASKED every window
-    of the box lies inside the image (the caller checked): the loads are masked along the reduction's padding
-    alone, and rows past the box repeat its last position."""
-    m = tl.arange(0, BM)
-    if not MASKED:
-        m = tl.minimum(m, BHC * BWC - 1)
+    """The fp32 conv outputs of rows m0 .. m0 + BM of the box of the pooled tile whose first output is (ph0, pw0),
+    [BM, BN]: row m is conv position (oh0 + m // BWC, ow0 + m % BWC), (oh0, ow0) its first window's first tap, for
+    the box's BHC x BWC positions (rows past them are computed on zeros and flagged). Returns the accumulator,
+    each row's (oh, ow) and whether it is a position of the conv's output, and the channels. Without MASKED every
+    window of the box lies inside the image (the caller checked): the loads are masked along the reduction's
+    padding alone, and rows past the box repeat its last position."""
+    rows_m = m0 + tl.arange(0, BM)
+    m = rows_m if MASKED else tl.minimum(rows_m, BHC * BWC - 1)
     oh = ph0 * QSH - QPH + m // BWC
     ow = pw0 * QSW - QPW + m % BWC
     in_box = (m < BHC * BWC) & (oh >= 0) & (oh < OH) & (ow >= 0) & (ow < OW)
@@ -82,26 +81,22 @@ def conv_box(x, w, n, ph0, pw0, tile_n, H, W, KO, OH, OW, s_xn, s_xc, s_xh, s_xw
         w_t = tl.load(w_cols[None, :] + (r * s_wr + s * s_ws + c * s_wc)[:, None], mask=j_ok[:, None], other=0.0)
         acc = mma(x_t, w_t, acc, PRECISION)
     if not MASKED:
-        in_box = tl.arange(0, BM) < BHC * BWC
+        in_box = rows_m < BHC * BWC
     return acc, oh, ow, in_box, offs_n
 
 
 @triton.jit
 def pool_box(y, scratch, ph0, pw0, TH: tl.constexpr, TW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
              QSH: tl.constexpr, QSW: tl.constexpr, QDH: tl.constexpr, QDW: tl.constexpr, BWC: tl.constexpr,
-             BM: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, GATHER: tl.constexpr):
-    """Max-pool the box's values y [BM, BN] (-inf where the box leaves the conv's output) into the tile's
-    [BP, BN] pooled outputs, pooled position p = (ph0 + p // TW, pw0 + p % TW); also returns (ph, pw) and which
-    p are the tile's. GATHER: each window tap is a tl.gather of y; else y goes through this program's slot of
-    `scratch` ([BM, BN], fp32, in L2: written once, read once per tap, by this program alone)."""
+             BP: tl.constexpr, BN: tl.constexpr, GATHER: tl.constexpr):
+    """Max-pool the box's values (-inf where the box leaves the conv's output) into the tile's [BP, BN] pooled
+    outputs, pooled position p = (ph0 + p // TW, pw0 + p % TW); also returns (ph, pw) and which p are the
+    tile's. GATHER: each window tap is a tl.gather of the box's [BM, BN] values y; else one load from `scratch`,
+    this program's slot, which holds them (row-major [BM, BN], written by this program alone)."""
     p = tl.arange(0, BP)
     i = p // TW
     jj = p % TW
     cols = tl.arange(0, BN)
-    if not GATHER:
-        tl.debug_barrier()  # the slot's last readers (the previous tile) are done
-        tl.store(scratch + tl.arange(0, BM)[:, None] * BN + cols[None, :], y)
-        tl.debug_barrier()  # ... and every row of it is written before any is read
     best = tl.full((BP, BN), float("-inf"), dtype=tl.float32)
     for a in tl.static_range(KH):
         for b in tl.static_range(KW):
@@ -110,7 +105,7 @@ def pool_box(y, scratch, ph0, pw0, TH: tl.constexpr, TW: tl.constexpr, KH: tl.co
             if GATHER:
                 v = tl.gather(y, tl.broadcast_to(at[:, None], (BP, BN)), 0)
             else:
-                v = tl.load(scratch + at[:, None] * BN + cols[None, :])
+                v = tl.load(scratch + at[:, None] * BN + cols[None, :]).to(tl.float32)
             best = tl.where((v > best) | (v != v), v, best)
     return best, ph0 + i, pw0 + jj, p < TH * TW
 
@@ -127,6 +122,7 @@ class PoolConfig:
     num_stages: int = 2
     gather: bool = False  # pool with tl.gather in registers, else through an L2-resident scratch slot
     programs: int = 2  # persistent programs an SM (each walks tiles program_id, program_id + programs, ...)
+    splits: int = 1  # the box's conv in this many blocks of rows, each stored to the scratch slot (not with gather)
 
     def box(self, pool) -> tuple[int, int, int]:
         """(rows, columns, BM): the conv positions the tile's windows cover, and BM, their count's power of 2."""
@@ -138,7 +134,8 @@ class PoolConfig:
     def check(self, pool) -> bool:
         """Registers: the [BM, BN] fp32 box and the [BP, BN] pool, with room for the loads."""
         bm = self.box(pool)[2]
-        return 16 <= bm and bm * self.block_n <= 512 * 64 and self.block_k >= 16
+        return (16 * self.splits <= bm and bm * self.block_n <= 512 * 64 * self.splits and self.block_k >= 16
+                and not (self.gather and self.splits > 1))
 
 
 SPACE = {"tile_h": (3, 5, 7), "tile_w": (5, 7, 15), "block_n": (64,), "block_k": (32, 64), "num_warps": (4, 8),
@@ -150,12 +147,13 @@ def default_config(k: int) -> PoolConfig:
 
 
 def fast_configs(k: int) -> list[PoolConfig]:
-    """The default and a few tiles around it (the "fast" tuning level)."""
+    """The default and a few tiles around it."""
     d = default_config(k)
     r = dataclasses.replace
-    return list(dict.fromkeys([d, r(d, num_warps=16), r(d, block_k=16), r(d, block_k=64), r(d, programs=1),
-                               r(d, tile_w=15, num_warps=16), r(d, block_n=32), r(d, num_stages=1),
-                               r(d, num_warps=16, programs=1)]))
+    return list(dict.fromkeys([d, r(d, splits=2), r(d, splits=4), r(d, splits=2, num_warps=4),
+                               r(d, splits=4, num_warps=4), r(d, splits=2, programs=1), r(d, splits=2, block_k=64),
+                               r(d, tile_w=15, splits=4), r(d, tile_w=15, splits=4, num_warps=4),
+                               r(d, splits=2, num_stages=1)]))
 
 
 def kernel_source(signature: str) -> str:
@@ -164,12 +162,12 @@ def kernel_source(signature: str) -> str:
 
     tree = epi.parse(signature)
     consts = ("C", "R", "S", "SH", "SW", "PH", "PW", "DH", "DW", "KH", "KW", "QSH", "QSW", "QPH", "QPW", "QDH", "QDW",
-              "TH", "TW", "BHC", "BWC", "BM", "BP", "BN", "BK", "GATHER", "PRECISION", "PDL")
+              "TH", "TW", "BHC", "BWC", "BM", "BMS", "SPLITS", "BP", "BN", "BK", "GATHER", "PRECISION", "PDL")
     params = ["x", "w", "out", "scratch", "NB", "H", "W", "KO", "OH", "OW", "POH", "POW", "s_xn", "s_xc", "s_xh",
               "s_xw",
               "s_wk", "s_wc", "s_wr", "s_ws", "s_on", "s_oc", "s_oh", "s_ow", *epi.triton_params(tree),
               *[f"{c}: tl.constexpr" for c in consts]]
-    body = "\n".join("        " + line for line in epi.triton_body(tree, out="y").splitlines())
+    body = "\n".join("            " + line for line in epi.triton_body(tree, out="y").splitlines())
     param_lines = "".join(f"    {p},\n" for p in params)
     return f'''"""Generated by bench/stem_kernel.py; do not edit.
 
@@ -200,21 +198,31 @@ def resfuse_stem_probe(
                   & ((oh0 + BHC - 1) * SH - PH + (R - 1) * DH < H)
                   & (ow0 >= 0) & (ow0 + BWC <= OW) & (ow0 * SW - PW >= 0)
                   & ((ow0 + BWC - 1) * SW - PW + (S - 1) * DW < W))
-        if inside:
-            acc, oh, ow, in_box, offs_c = conv_box(
-                x, w, n, ph0, pw0, tl.program_id(1), H, W, KO, OH, OW, s_xn, s_xc, s_xh, s_xw, s_wk, s_wc, s_wr,
-                s_ws, C, R, S, SH, SW, PH, PW, DH, DW, QSH, QSW, QPH, QPW, BHC, BWC, BM, BN, BK, PRECISION, False)
-        else:
-            acc, oh, ow, in_box, offs_c = conv_box(
-                x, w, n, ph0, pw0, tl.program_id(1), H, W, KO, OH, OW, s_xn, s_xc, s_xh, s_xw, s_wk, s_wc, s_wr,
-                s_ws, C, R, S, SH, SW, PH, PW, DH, DW, QSH, QSW, QPH, QPW, BHC, BWC, BM, BN, BK, PRECISION, True)
-        mask_c = offs_c < KO
-        mask = in_box[:, None] & mask_c[None, :]
-        s_idx = tl.full((BM,), 0, tl.int32) + n
-        p_idx = oh * OW + ow
+        if not GATHER:
+            tl.debug_barrier()  # the slot's readers (the previous tile's pool) are done
+        for sb in tl.static_range(SPLITS):  # the box in SPLITS blocks of BMS rows: fewer registers live
+            if inside:
+                acc, oh, ow, in_box, offs_c = conv_box(
+                    x, w, n, ph0, pw0, sb * BMS, tl.program_id(1), H, W, KO, OH, OW, s_xn, s_xc, s_xh, s_xw, s_wk,
+                    s_wc, s_wr, s_ws, C, R, S, SH, SW, PH, PW, DH, DW, QSH, QSW, QPH, QPW, BHC, BWC, BMS, BN, BK,
+                    PRECISION, False)
+            else:
+                acc, oh, ow, in_box, offs_c = conv_box(
+                    x, w, n, ph0, pw0, sb * BMS, tl.program_id(1), H, W, KO, OH, OW, s_xn, s_xc, s_xh, s_xw, s_wk,
+                    s_wc, s_wr, s_ws, C, R, S, SH, SW, PH, PW, DH, DW, QSH, QSW, QPH, QPW, BHC, BWC, BMS, BN, BK,
+                    PRECISION, True)
+            mask_c = offs_c < KO
+            mask = in_box[:, None] & mask_c[None, :]
+            s_idx = tl.full((BMS,), 0, tl.int32) + n
+            p_idx = oh * OW + ow
 {body}
-        y = tl.where(in_box[:, None], y, float("-inf"))
-        best, ph, pw, p_ok = pool_box(y, slot, ph0, pw0, TH, TW, KH, KW, QSH, QSW, QDH, QDW, BWC, BM, BP, BN, GATHER)
+            # rounded to the output's dtype before the max, which rounding commutes with (it is monotone)
+            y = tl.where(in_box[:, None], y, float("-inf")).to(slot.dtype.element_ty)
+            if not GATHER:
+                tl.store(slot + (sb * BMS + tl.arange(0, BMS))[:, None] * BN + tl.arange(0, BN)[None, :], y)
+        if not GATHER:
+            tl.debug_barrier()  # every row of the box is written before any is read
+        best, ph, pw, p_ok = pool_box(y, slot, ph0, pw0, TH, TW, KH, KW, QSH, QSW, QDH, QDW, BWC, BP, BN, GATHER)
         ok = (p_ok & (ph < POH) & (pw < POW))[:, None] & mask_c[None, :]
         rows = n.to(tl.int64) * s_on + ph * s_oh + pw * s_ow
         tl.store(out + rows[:, None] + (offs_c * s_oc)[None, :], best.to(out.dtype.element_ty), mask=ok)
@@ -226,15 +234,17 @@ def _fits_int32(t: torch.Tensor) -> bool:
     return sum((d - 1) * abs(st) for d, st in zip(t.shape[1:], t.stride()[1:])) < 2**31 - 1
 
 
-_SCRATCH: dict[torch.device, torch.Tensor] = {}
+_SCRATCH: dict[tuple, torch.Tensor] = {}
 
 
-def _scratch(device: torch.device, numel: int) -> torch.Tensor:
-    """The programs' fp32 scratch slots: one buffer per device, grown as needed (a few MB: it stays in L2). A
+def _scratch(out: torch.Tensor, numel: int) -> torch.Tensor:
+    """The programs' scratch slots, in the output's dtype: one buffer per device and dtype, grown as needed (a few
+    MB: it stays in L2). A
     probe's shortcut: growing it would strand a CUDA graph captured with the old one."""
-    buf = _SCRATCH.get(device)
+    key = (out.device, out.dtype)
+    buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < numel:
-        buf = _SCRATCH[device] = torch.empty(numel, dtype=torch.float32, device=device)
+        buf = _SCRATCH[key] = torch.empty(numel, dtype=out.dtype, device=out.device)
     return buf
 
 
@@ -263,11 +273,12 @@ def conv2d_max_pool(x: torch.Tensor, w: torch.Tensor, operands, signature: str, 
     run = load_source("stem_probe", signature, lambda: kernel_source(signature))
     tiles = n * triton.cdiv(poh, config.tile_h) * triton.cdiv(pow_, config.tile_w)
     grid = (min(tiles, sm_count(x.device) * config.programs), triton.cdiv(k, config.block_n))
-    scratch = _scratch(x.device, 1 if config.gather else grid[0] * grid[1] * bm * config.block_n)
+    scratch = _scratch(out, 1 if config.gather else grid[0] * grid[1] * bm * config.block_n)
     run[grid](x, w, out, scratch, n, h, wd, k, oh, ow, poh, pow_, *x.stride(), *w.stride(), *out.stride(), *op_args,
               C=c, R=r, S=s, SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1],
               KH=kh, KW=kw, QSH=qsh, QSW=qsw, QPH=qph, QPW=qpw, QDH=qdh, QDW=qdw, TH=config.tile_h,
-              TW=config.tile_w, BHC=bhc, BWC=bwc, BM=bm, BP=triton.next_power_of_2(config.tile_h * config.tile_w),
+              TW=config.tile_w, BHC=bhc, BWC=bwc, BM=bm, BMS=bm // config.splits, SPLITS=config.splits,
+              BP=triton.next_power_of_2(config.tile_h * config.tile_w),
               BN=config.block_n, BK=config.block_k, GATHER=config.gather, PRECISION=_precision(x.dtype),
               num_warps=config.num_warps,
               num_stages=config.num_stages, **pdl_meta(x.device))

@@ -23,6 +23,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--warps", type=int, default=4)
+    parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4])
     args = parser.parse_args()
     dev = "cuda"
     x = torch.randn(args.batch, 3, 224, 224, device=dev, dtype=torch.float16).contiguous(
@@ -31,11 +32,13 @@ def main():
     ops = [torch.rand(64, device=dev).half() + 0.5 for _ in range(4)]
     out = torch.empty(args.batch, 64, 56, 56, device=dev, dtype=torch.float16).contiguous(
         memory_format=torch.channels_last)
-    for cfg in (PoolConfig(num_warps=args.warps), PoolConfig(num_warps=args.warps, gather=True)):
+    configs = [PoolConfig(num_warps=args.warps, splits=n) for n in args.splits]
+    for cfg in configs + [PoolConfig(num_warps=args.warps, gather=True)]:
         conv2d_max_pool(x, w, ops, SIG, [2, 2], [3, 3], [1, 1], ([3, 3], [2, 2], [1, 1], [1, 1], False),
                                   out, cfg)
     torch.cuda.synchronize()
     kernel = codegen._LOADED[("stem_probe", SIG)]
+    print("in build order:", *configs, "gather", sep="\n  ")
     for cache in kernel.device_caches.values():
         for compiled in cache[0].values():
             compiled._init_handles()

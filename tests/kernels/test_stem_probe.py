@@ -1,14 +1,14 @@
 """The stem probe kernel (bench/stem_kernel.py: conv + epilogue + max-pool in one kernel; a probe that no pass
 uses, since it measured slower than resfuse's path) under the interpreter, against the unfused float64
-computation: random small-channel convs and pools, ragged tiles, both pooling variants, channel tiles narrower
-than the output's channels, and random epilogues over per-channel and per-(sample, channel) operands; outputs are
+computation: random small-channel convs and pools, ragged tiles, both pooling variants, the box computed in one
+block or two, channel tiles narrower than the output's channels, and random epilogues over per-channel and per-(sample, channel) operands; outputs are
 NaN-poisoned first."""
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from resfuse import epilogue as epi
@@ -29,9 +29,12 @@ def problems(draw):
     shape = (draw(st.integers(1, 2)), draw(st.integers(1, 4)), draw(st.integers(r + 4, 30)),
              draw(st.integers(s + 4, 30)))
     k = draw(st.sampled_from([5, 16, 40]))
+    gather = draw(st.booleans())
     config = stem_kernel.PoolConfig(tile_h=draw(st.sampled_from([1, 3, 4])), tile_w=draw(st.sampled_from([2, 5])),
                                     block_n=draw(st.sampled_from([16, 32])), block_k=draw(st.sampled_from([16, 32])),
-                                    num_warps=4, gather=draw(st.booleans()), programs=draw(st.integers(1, 2)))
+                                    num_warps=4, gather=gather, programs=draw(st.integers(1, 2)),
+                                    splits=1 if gather else draw(st.sampled_from([1, 2])))
+    assume(config.check(pool))
     return shape, k, (r, s), conv, pool, config
 
 
@@ -62,7 +65,8 @@ def test_resnet_stem_shape_and_tile_edges():
     m, v, g, b = torch.randn(64).half(), (torch.rand(64) + 0.5).half(), torch.randn(64).half(), torch.randn(64).half()
     ref = F.max_pool2d(F.relu(F.batch_norm(F.conv2d(x.double(), w.double(), None, 2, 3), m.double(), v.double(),
                                            g.double(), b.double(), False, 0.0, 1e-5)), 3, 2, 1)
-    out = torch.full(ref.shape, float("nan")).half().contiguous(memory_format=torch.channels_last)
-    stem_kernel.conv2d_max_pool(x, w, [m, v, g, b], "relu(bn[#1e-05](acc,c0,c1,c2,c3))", [2, 2], [3, 3], [1, 1],
-                                ([3, 3], [2, 2], [1, 1], [1, 1], False), out)
-    assert_close(epi.rows3(out, out.shape, 1), epi.rows3(ref, ref.shape, 1), torch.float16)
+    for config in (stem_kernel.PoolConfig(), stem_kernel.PoolConfig(splits=4, tile_w=15)):
+        out = torch.full(ref.shape, float("nan")).half().contiguous(memory_format=torch.channels_last)
+        stem_kernel.conv2d_max_pool(x, w, [m, v, g, b], "relu(bn[#1e-05](acc,c0,c1,c2,c3))", [2, 2], [3, 3], [1, 1],
+                                    ([3, 3], [2, 2], [1, 1], [1, 1], False), out, config)
+        assert_close(epi.rows3(out, out.shape, 1), epi.rows3(ref, ref.shape, 1), torch.float16)
