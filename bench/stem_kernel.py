@@ -43,13 +43,17 @@ def conv_box(x, w, n, ph0, pw0, m0, tile_n, H, W, KO, OH, OW, s_xn, s_xc, s_xh, 
              C: tl.constexpr, R: tl.constexpr, S: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr,
              PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr, QSH: tl.constexpr, QSW: tl.constexpr,
              QPH: tl.constexpr, QPW: tl.constexpr, BHC: tl.constexpr, BWC: tl.constexpr, BM: tl.constexpr,
-             BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr):
+             BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr, ROWS: tl.constexpr):
     """The fp32 conv outputs of rows m0 .. m0 + BM of the box of the pooled tile whose first output is (ph0, pw0),
     [BM, BN]: row m is conv position (oh0 + m // BWC, ow0 + m % BWC), (oh0, ow0) its first window's first tap, for
     the box's BHC x BWC positions (rows past them are computed on zeros and flagged). Returns the accumulator,
     each row's (oh, ow) and whether it is a position of the conv's output, and the channels. Without MASKED every
     window of the box lies inside the image (the caller checked): the loads are masked along the reduction's
-    padding alone, and rows past the box repeat its last position."""
+    padding alone, and rows past the box repeat its last position.
+    ROWS: x's (w, c) are contiguous (channels_last, no dilation along w), and w is packed as [R, BK, KO] (the
+    filter row's S * C products, zero-padded to BK, then the output channels): the reduction runs one filter row
+    a block, over which an input row's elements are one contiguous run, and the weight rows are contiguous. The
+    compiler then sees both loads' contiguity, and a warp's lanes read neighbouring elements."""
     rows_m = m0 + tl.arange(0, BM)
     m = rows_m if MASKED else tl.minimum(rows_m, BHC * BWC - 1)
     oh = ph0 * QSH - QPH + m // BWC
@@ -63,23 +67,39 @@ def conv_box(x, w, n, ph0, pw0, m0, tile_n, H, W, KO, OH, OW, s_xn, s_xc, s_xh, 
     w_cols = w + (offs_n % KO) * s_wk
     RED: tl.constexpr = R * S
     acc = tl.full((BM, BN), 0.0, dtype=tl.float32)
-    for kb in tl.static_range((RED * C + BK - 1) // BK):  # the geometry is constexpr: every column's index is too
-        j = kb * BK + tl.arange(0, BK)
-        c = j % C
-        rs = j // C
-        r = rs // S
-        s = rs % S
-        j_ok = rs < RED
-        ih = ih0[:, None] + (r * DH)[None, :]
-        iw = iw0[:, None] + (s * DW)[None, :]
-        if MASKED:
-            ok = (in_box[:, None] & j_ok[None, :]) & ((ih >= 0) & (ih < H)) & ((iw >= 0) & (iw < W))
-        else:
-            ok = j_ok[None, :]
-        x_t = tl.load(x_img + rows[:, None] + (r * DH * s_xh + s * DW * s_xw + c * s_xc)[None, :], mask=ok,
-                      other=0.0)
-        w_t = tl.load(w_cols[None, :] + (r * s_wr + s * s_ws + c * s_wc)[:, None], mask=j_ok[:, None], other=0.0)
-        acc = mma(x_t, w_t, acc, PRECISION)
+    if ROWS:
+        jj = tl.arange(0, BK)
+        j_ok = jj < S * C
+        iw = iw0[:, None] + (jj // C)[None, :]
+        w_ok = (iw >= 0) & (iw < W)
+        for r in tl.static_range(R):
+            ih = ih0 + r * DH
+            if MASKED:
+                ok = ((in_box & (ih >= 0) & (ih < H))[:, None] & j_ok[None, :]) & w_ok
+            else:
+                ok = j_ok[None, :]
+            x_t = tl.load(x_img + (rows + r * DH * s_xh)[:, None] + jj[None, :], mask=ok, other=0.0)
+            w_t = tl.load(w + (r * BK + jj)[:, None] * KO + (offs_n % KO)[None, :])
+            acc = mma(x_t, w_t, acc, PRECISION)
+    else:
+        for kb in tl.static_range((RED * C + BK - 1) // BK):  # the geometry is constexpr: so is each column's index
+            j = kb * BK + tl.arange(0, BK)
+            c = j % C
+            rs = j // C
+            r = rs // S
+            s = rs % S
+            j_ok = rs < RED
+            ih = ih0[:, None] + (r * DH)[None, :]
+            iw = iw0[:, None] + (s * DW)[None, :]
+            if MASKED:
+                ok = (in_box[:, None] & j_ok[None, :]) & ((ih >= 0) & (ih < H)) & ((iw >= 0) & (iw < W))
+            else:
+                ok = j_ok[None, :]
+            x_t = tl.load(x_img + rows[:, None] + (r * DH * s_xh + s * DW * s_xw + c * s_xc)[None, :], mask=ok,
+                          other=0.0)
+            w_t = tl.load(w_cols[None, :] + (r * s_wr + s * s_ws + c * s_wc)[:, None], mask=j_ok[:, None],
+                          other=0.0)
+            acc = mma(x_t, w_t, acc, PRECISION)
     if not MASKED:
         in_box = rows_m < BHC * BWC
     return acc, oh, ow, in_box, offs_n
@@ -123,6 +143,7 @@ class PoolConfig:
     gather: bool = False  # pool with tl.gather in registers, else through an L2-resident scratch slot
     programs: int = 2  # persistent programs an SM (each walks tiles program_id, program_id + programs, ...)
     splits: int = 1  # the box's conv in this many blocks of rows, each stored to the scratch slot (not with gather)
+    rows: bool = True  # one filter row a reduction block (conv_box's ROWS), where x's layout allows it
 
     def box(self, pool) -> tuple[int, int, int]:
         """(rows, columns, BM): the conv positions the tile's windows cover, and BM, their count's power of 2."""
@@ -150,10 +171,9 @@ def fast_configs(k: int) -> list[PoolConfig]:
     """The default and a few tiles around it."""
     d = default_config(k)
     r = dataclasses.replace
-    return list(dict.fromkeys([d, r(d, splits=2), r(d, splits=4), r(d, splits=2, num_warps=4),
-                               r(d, splits=4, num_warps=4), r(d, splits=2, programs=1), r(d, splits=2, block_k=64),
-                               r(d, tile_w=15, splits=4), r(d, tile_w=15, splits=4, num_warps=4),
-                               r(d, splits=2, num_stages=1)]))
+    return list(dict.fromkeys([d, r(d, rows=False), r(d, num_warps=4), r(d, splits=2), r(d, splits=2, num_warps=4),
+                               r(d, programs=1), r(d, num_stages=3), r(d, tile_h=5, tile_w=5),
+                               r(d, tile_w=15, splits=2), r(d, tile_w=15, splits=4, num_warps=4)]))
 
 
 def kernel_source(signature: str) -> str:
@@ -162,7 +182,7 @@ def kernel_source(signature: str) -> str:
 
     tree = epi.parse(signature)
     consts = ("C", "R", "S", "SH", "SW", "PH", "PW", "DH", "DW", "KH", "KW", "QSH", "QSW", "QPH", "QPW", "QDH", "QDW",
-              "TH", "TW", "BHC", "BWC", "BM", "BMS", "SPLITS", "BP", "BN", "BK", "GATHER", "PRECISION", "PDL")
+              "TH", "TW", "BHC", "BWC", "BM", "BMS", "SPLITS", "BP", "BN", "BK", "GATHER", "ROWS", "PRECISION", "PDL")
     params = ["x", "w", "out", "scratch", "NB", "H", "W", "KO", "OH", "OW", "POH", "POW", "s_xn", "s_xc", "s_xh",
               "s_xw",
               "s_wk", "s_wc", "s_wr", "s_ws", "s_on", "s_oc", "s_oh", "s_ow", *epi.triton_params(tree),
@@ -205,12 +225,12 @@ def resfuse_stem_probe(
                 acc, oh, ow, in_box, offs_c = conv_box(
                     x, w, n, ph0, pw0, sb * BMS, tl.program_id(1), H, W, KO, OH, OW, s_xn, s_xc, s_xh, s_xw, s_wk,
                     s_wc, s_wr, s_ws, C, R, S, SH, SW, PH, PW, DH, DW, QSH, QSW, QPH, QPW, BHC, BWC, BMS, BN, BK,
-                    PRECISION, False)
+                    PRECISION, False, ROWS)
             else:
                 acc, oh, ow, in_box, offs_c = conv_box(
                     x, w, n, ph0, pw0, sb * BMS, tl.program_id(1), H, W, KO, OH, OW, s_xn, s_xc, s_xh, s_xw, s_wk,
                     s_wc, s_wr, s_ws, C, R, S, SH, SW, PH, PW, DH, DW, QSH, QSW, QPH, QPW, BHC, BWC, BMS, BN, BK,
-                    PRECISION, True)
+                    PRECISION, True, ROWS)
             mask_c = offs_c < KO
             mask = in_box[:, None] & mask_c[None, :]
             s_idx = tl.full((BMS,), 0, tl.int32) + n
@@ -248,6 +268,21 @@ def _scratch(out: torch.Tensor, numel: int) -> torch.Tensor:
     return buf
 
 
+_PACKED: dict[tuple, torch.Tensor] = {}
+
+
+def _packed(w: torch.Tensor, bk: int) -> torch.Tensor:
+    """w [K, C, R, S] as [R, bk, K], contiguous: each filter row's S * C products (s, then c), zero-padded to bk,
+    then the output channels. Kept while w keeps its address and version (the probe's timings leave it out)."""
+    key = (w.data_ptr(), w._version, tuple(w.shape), w.dtype, bk)
+    if key not in _PACKED:
+        k, c, r, s = w.shape
+        packed = torch.zeros(r, bk, k, dtype=w.dtype, device=w.device)
+        packed[:, : s * c] = w.permute(2, 3, 1, 0).reshape(r, s * c, k)
+        _PACKED[key] = packed
+    return _PACKED[key]
+
+
 def conv2d_max_pool(x: torch.Tensor, w: torch.Tensor, operands, signature: str, stride, padding, dilation, pool,
                     out: torch.Tensor, config: PoolConfig | None = None) -> torch.Tensor:
     """out = max_pool2d(epilogue(conv2d(x, w)), *pool), pool = (kernel, stride, padding, dilation, ceil_mode).
@@ -271,15 +306,17 @@ def conv2d_max_pool(x: torch.Tensor, w: torch.Tensor, operands, signature: str, 
     conv_shape = (n, k, oh, ow)
     op_args = [a for v in epi.operand_views(tree, operands, conv_shape, 1) for a in (v, *v.stride())]
     run = load_source("stem_probe", signature, lambda: kernel_source(signature))
+    rows = config.rows and x.stride(1) == 1 and x.stride(3) == c and dilation[1] == 1
+    bk = triton.next_power_of_2(max(16, s * c)) if rows else config.block_k
+    w_arg = _packed(w, bk) if rows else w
     tiles = n * triton.cdiv(poh, config.tile_h) * triton.cdiv(pow_, config.tile_w)
     grid = (min(tiles, sm_count(x.device) * config.programs), triton.cdiv(k, config.block_n))
     scratch = _scratch(out, 1 if config.gather else grid[0] * grid[1] * bm * config.block_n)
-    run[grid](x, w, out, scratch, n, h, wd, k, oh, ow, poh, pow_, *x.stride(), *w.stride(), *out.stride(), *op_args,
+    run[grid](x, w_arg, out, scratch, n, h, wd, k, oh, ow, poh, pow_, *x.stride(), *w.stride(), *out.stride(), *op_args,
               C=c, R=r, S=s, SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1],
               KH=kh, KW=kw, QSH=qsh, QSW=qsw, QPH=qph, QPW=qpw, QDH=qdh, QDW=qdw, TH=config.tile_h,
               TW=config.tile_w, BHC=bhc, BWC=bwc, BM=bm, BMS=bm // config.splits, SPLITS=config.splits,
               BP=triton.next_power_of_2(config.tile_h * config.tile_w),
-              BN=config.block_n, BK=config.block_k, GATHER=config.gather, PRECISION=_precision(x.dtype),
-              num_warps=config.num_warps,
-              num_stages=config.num_stages, **pdl_meta(x.device))
+              BN=config.block_n, BK=bk, GATHER=config.gather, ROWS=rows, PRECISION=_precision(x.dtype),
+              num_warps=config.num_warps, num_stages=config.num_stages, **pdl_meta(x.device))
     return out

@@ -24,6 +24,7 @@ def main():
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--no-gather", action="store_true", help="build the scratch variants only")
     args = parser.parse_args()
     dev = "cuda"
     x = torch.randn(args.batch, 3, 224, 224, device=dev, dtype=torch.float16).contiguous(
@@ -33,7 +34,7 @@ def main():
     out = torch.empty(args.batch, 64, 56, 56, device=dev, dtype=torch.float16).contiguous(
         memory_format=torch.channels_last)
     configs = [PoolConfig(num_warps=args.warps, splits=n) for n in args.splits]
-    for cfg in configs + [PoolConfig(num_warps=args.warps, gather=True)]:
+    for cfg in configs + ([] if args.no_gather else [PoolConfig(num_warps=args.warps, gather=True)]):
         conv2d_max_pool(x, w, ops, SIG, [2, 2], [3, 3], [1, 1], ([3, 3], [2, 2], [1, 1], [1, 1], False),
                                   out, cfg)
     torch.cuda.synchronize()

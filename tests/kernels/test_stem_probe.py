@@ -1,6 +1,6 @@
 """The stem probe kernel (bench/stem_kernel.py: conv + epilogue + max-pool in one kernel; a probe that no pass
 uses, since it measured slower than resfuse's path) under the interpreter, against the unfused float64
-computation: random small-channel convs and pools, ragged tiles, both pooling variants, the box computed in one
+computation: random small-channel convs and pools, ragged tiles, both pooling variants, both reduction orders, the box computed in one
 block or two, channel tiles narrower than the output's channels, and random epilogues over per-channel and per-(sample, channel) operands; outputs are
 NaN-poisoned first."""
 import sys
@@ -33,7 +33,7 @@ def problems(draw):
     config = stem_kernel.PoolConfig(tile_h=draw(st.sampled_from([1, 3, 4])), tile_w=draw(st.sampled_from([2, 5])),
                                     block_n=draw(st.sampled_from([16, 32])), block_k=draw(st.sampled_from([16, 32])),
                                     num_warps=4, gather=gather, programs=draw(st.integers(1, 2)),
-                                    splits=1 if gather else draw(st.sampled_from([1, 2])))
+                                    splits=1 if gather else draw(st.sampled_from([1, 2])), rows=draw(st.booleans()))
     assume(config.check(pool))
     return shape, k, (r, s), conv, pool, config
 
