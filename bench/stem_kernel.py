@@ -1,8 +1,9 @@
 """A probe, not part of resfuse: a small-channel conv, its epilogue and the max-pool after it, as one Triton kernel
 (a CNN's stem: conv 7x7 s2 -> batch norm -> relu -> max-pool 3x3 s2, whose conv output is the largest tensor of
-the net). On an H200 it ran 1.6-1.8x slower than what resfuse runs (BENCHMARKS.md, twenty-seventh session), so no
-pass puts it in a graph; bench/stem_pool.py times it, bench/stem_regs.py reads its registers, and
-tests/kernels/test_stem_probe.py checks it under the interpreter.
+the net). On an H100 and an H200 it ran 1.4x (batch 32) to 1.8x (batch 256) slower than what resfuse runs, cuDNN's
+conv and a max-pool that computes the epilogue (BENCHMARKS.md, twenty-seventh session), so no pass puts it in a
+graph. bench/stem_pool.py times it, bench/stem_regs.py reads its registers, and tests/kernels/test_stem_probe.py
+checks it under the interpreter.
 
 Entry points: `conv2d_max_pool(x, w, operands, signature, stride, padding, dilation, pool, out, config=None)`,
 `PoolConfig`, `SPACE`, `fast_configs`.
@@ -143,7 +144,7 @@ class PoolConfig:
     gather: bool = False  # pool with tl.gather in registers, else through an L2-resident scratch slot
     programs: int = 2  # persistent programs an SM (each walks tiles program_id, program_id + programs, ...)
     splits: int = 1  # the box's conv in this many blocks of rows, each stored to the scratch slot (not with gather)
-    rows: bool = True  # one filter row a reduction block (conv_box's ROWS), where x's layout allows it
+    rows: bool = False  # one filter row a reduction block (conv_box's ROWS), where x's layout allows it: slower
 
     def box(self, pool) -> tuple[int, int, int]:
         """(rows, columns, BM): the conv positions the tile's windows cover, and BM, their count's power of 2."""
@@ -171,7 +172,7 @@ def fast_configs(k: int) -> list[PoolConfig]:
     """The default and a few tiles around it."""
     d = default_config(k)
     r = dataclasses.replace
-    return list(dict.fromkeys([d, r(d, rows=False), r(d, num_warps=4), r(d, splits=2), r(d, splits=2, num_warps=4),
+    return list(dict.fromkeys([d, r(d, rows=True), r(d, num_warps=4), r(d, splits=2), r(d, splits=2, num_warps=4),
                                r(d, programs=1), r(d, num_stages=3), r(d, tile_h=5, tile_w=5),
                                r(d, tile_w=15, splits=2), r(d, tile_w=15, splits=4, num_warps=4)]))
 
