@@ -5,7 +5,7 @@ fp16 channels_last, against the fp32 reference (max relative error):
   separate:   what resfuse runs: the image padded to 4 channels (resfuse::pad_channels), cuDNN's bare conv,
               and the max-pool evaluating batch norm + relu at each window's extremes (max_pool2d_epilogue);
   cudnn3:     the same without the padding (cuDNN pads itself);
-  folded:     the image padded, the conv with its batch norm folded into the weight and relu, as a cuDNN graph
+  folded:     (--folded) the image padded, the conv with its batch norm folded into the weight and relu, as a cuDNN graph
               (the cudnn provider's cudnn+fold_bn candidates, each engine config), then the plain max-pool:
               what runs if the pool does not take the conv's epilogue (C = 4, and C = 3 unpadded);
   ours:       the probe kernel of bench/stem_kernel.py, every config of its fast list (--sweep: its whole
@@ -40,7 +40,7 @@ def rel(out, ref) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def one_batch(batch: int, sweep: bool, limit: int | None) -> list[dict]:
+def one_batch(batch: int, sweep: bool, limit: int | None, folded_too: bool) -> list[dict]:
     dev = "cuda"
     x = torch.randn(batch, 3, 224, 224, device=dev, dtype=torch.float16).contiguous(memory_format=torch.channels_last)
     w = (torch.randn(64, 3, 7, 7, device=dev) * 0.2).half().contiguous(memory_format=torch.channels_last)
@@ -84,7 +84,7 @@ def one_batch(batch: int, sweep: bool, limit: int | None) -> list[dict]:
     row("cudnn3", cudnn3)
     from resfuse.ops.fused import call_of
     from resfuse.providers import cudnn
-    for name, image, weight in (("folded C=4", xp, wp), ("folded C=3", x, w)):
+    for name, image, weight in (("folded C=4", xp, wp), ("folded C=3", x, w)) if folded_too else ():
         call = call_of("conv2d", (image, weight), ops, SIG, CONV)
         for cand in cudnn.candidates(call, "fast"):
             def folded(cand=cand, image=image):
@@ -122,11 +122,12 @@ def main():
     parser.add_argument("--batch", type=int, nargs="+", default=[256, 32, 1])
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--configs", type=int, default=None, help="time only the first N configs")
+    parser.add_argument("--folded", action="store_true", help="also the folded cuDNN conv + plain pool")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     rows = []
     for b in args.batch:
-        rows += one_batch(b, args.sweep, args.configs)
+        rows += one_batch(b, args.sweep, args.configs, args.folded)
         with open(os.path.join(args.out, "stem_pool.json"), "w") as f:
             json.dump(rows, f, indent=1)
     print(f"{'bs':>4} {'variant':28} {'us':>9} {'rel err':>9}  config")

@@ -188,10 +188,11 @@ def window_extremes(x, N, C, H, W, OH, OW, s_xn, s_xc, s_xh, s_xw, s_on, s_oh, s
         for kw in tl.static_range(KW):
             iw = iw0 + kw * DW
             inside = (row_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W))[:, None] & mask_c[None, :]
-            v = tl.load(x + (n * s_xn + ih * s_xh + iw * s_xw)[:, None] + x_c, mask=inside, other=0.0)
+            v = tl.load(x + (n * s_xn + ih * s_xh + iw * s_xw)[:, None] + x_c, mask=inside, other=float("-inf"))
             v = v.to(tl.float32)
-            hi = tl.where(inside & ((v > hi) | (v != v)), v, hi)
-            lo = tl.where(inside & ((v < lo) | (v != v)), v, lo)
+            # one max and one min an element, a NaN sticking (ATen's rule), instead of compares and selects
+            hi = tl.maximum(hi, v, propagate_nan=tl.PropagateNan.ALL)
+            lo = tl.minimum(lo, tl.where(inside, v, float("inf")), propagate_nan=tl.PropagateNan.ALL)
     mask = row_ok[:, None] & mask_c[None, :]
     hi = tl.where(mask, hi, 0.0)  # no infinities in the lanes past the edges, where the epilogue runs unstored
     lo = tl.where(mask, lo, 0.0)
