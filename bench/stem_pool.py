@@ -5,9 +5,9 @@ fp16 channels_last, against the fp32 reference (max relative error):
   separate:   what resfuse runs: the image padded to 4 channels (resfuse::pad_channels), cuDNN's bare conv,
               and the max-pool evaluating batch norm + relu at each window's extremes (max_pool2d_epilogue);
   cudnn3:     the same without the padding (cuDNN pads itself);
-  folded:     (--folded) the image padded, the conv with its batch norm folded into the weight and relu, as a cuDNN graph
-              (the cudnn provider's cudnn+fold_bn candidates, each engine config), then the plain max-pool:
-              what runs if the pool does not take the conv's epilogue (C = 4, and C = 3 unpadded);
+  folded:     (--folded) the image padded, the conv with its batch norm folded into the weight and relu, as a
+              cuDNN graph (the cudnn provider's cudnn+fold_bn candidates, each engine config), then the plain
+              max-pool: what runs if the pool does not take the conv's epilogue (C = 4, and C = 3 unpadded);
   ours:       the probe kernel of bench/stem_kernel.py, every config of its fast list (--sweep: its whole
               space; --configs N: the first N).
 Times: each variant replayed from a CUDA graph (the tuner's timer), us. Prints a table last; the rows go to
