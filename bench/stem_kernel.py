@@ -155,7 +155,7 @@ class PoolConfig:
         return bh, bw, triton.next_power_of_2(bh * bw)
 
     def check(self, pool) -> bool:
-        """Registers: the [BM, BN] fp32 box and the [BP, BN] pool, with room for the loads."""
+        """Registers: each [BM / splits, BN] block of the box and the [BP, BN] pool, with room for the loads."""
         bm = self.box(pool)[2]
         return (16 * self.splits <= bm and bm * self.block_n <= 512 * 64 * self.splits and self.block_k >= 16
                 and not (self.gather and self.splits > 1))
@@ -186,8 +186,7 @@ def kernel_source(signature: str) -> str:
     consts = ("C", "R", "S", "SH", "SW", "PH", "PW", "DH", "DW", "KH", "KW", "QSH", "QSW", "QPH", "QPW", "QDH", "QDW",
               "TH", "TW", "BHC", "BWC", "BM", "BMS", "SPLITS", "BP", "BN", "BK", "GATHER", "ROWS", "PRECISION", "PDL")
     params = ["x", "w", "out", "scratch", "NB", "H", "W", "KO", "OH", "OW", "POH", "POW", "s_xn", "s_xc", "s_xh",
-              "s_xw",
-              "s_wk", "s_wc", "s_wr", "s_ws", "s_on", "s_oc", "s_oh", "s_ow", *epi.triton_params(tree),
+              "s_xw", "s_wk", "s_wc", "s_wr", "s_ws", "s_on", "s_oc", "s_oh", "s_ow", *epi.triton_params(tree),
               *[f"{c}: tl.constexpr" for c in consts]]
     body = "\n".join("            " + line for line in epi.triton_body(tree, out="y").splitlines())
     param_lines = "".join(f"    {p},\n" for p in params)
