@@ -1,11 +1,12 @@
 """GPU benchmark of the depthwise conv kernel against cuDNN, on the zoo's depthwise shapes (fp16, channels_last).
 
-Entry point: `python bench/depthwise.py [--batches 1,256] [--out DIR]`, on a GPU machine. For each case it
-checks every config of the fast level against an fp32 reference, then times (CUDA-graph replays, the tuner's
-`_bench`): our kernel with the case's epilogue, at its best config and at the heuristic default; cuDNN's conv
-alone; cuDNN's conv followed by the same epilogue in our generated kernel (the "aten+epilogue" provider, what
-ran before this kernel existed); and the memory floor (input + weights + output at the measured copy
-bandwidth). The table prints last; rows go to DIR/depthwise.json.
+Entry point: `python bench/depthwise.py [--batches 1,256] [--cases SUBSTR,...] [--strips] [--out DIR]`, on a GPU
+machine. For each case it checks every config of the fast level (and with --strips the strip mainloop's tiles,
+STRIPS) against an fp32 reference, then times (CUDA-graph replays, the tuner's `_bench`): our kernel with the
+case's epilogue, at its best config and at the heuristic default; cuDNN's conv alone; cuDNN's conv followed by
+the same epilogue in our generated kernel (the "aten+epilogue" provider, what ran before this kernel existed);
+and the memory floor (input + weights + output at the measured copy bandwidth). The table prints last; rows go
+to DIR/depthwise.json.
 """
 from __future__ import annotations
 
@@ -70,7 +71,13 @@ def reference(x, w, case: Case, ops) -> torch.Tensor:
     return {"relu": F.relu, "hardswish": F.hardswish, "silu": F.silu}[act](y)
 
 
-def measure(case: Case, batch: int, copy_bw: float, dtype=torch.float16) -> dict:
+# the strip mainloop's tiles (block_h, block_w, block_n, num_warps, strip), timed with --strips
+STRIPS = [(8, 32, 32, 4, 8), (4, 32, 32, 2, 8), (8, 16, 32, 2, 8), (4, 16, 32, 2, 8), (4, 16, 64, 4, 8),
+          (8, 16, 64, 4, 8), (2, 32, 32, 2, 8), (16, 16, 32, 4, 8), (8, 8, 32, 1, 8), (8, 16, 32, 4, 4),
+          (4, 16, 32, 2, 4), (8, 8, 64, 2, 8)]
+
+
+def measure(case: Case, batch: int, copy_bw: float, dtype=torch.float16, strips: bool = False) -> dict:
     x = torch.randn(batch, case.c, case.hw, case.hw, device="cuda", dtype=dtype).contiguous(
         memory_format=torch.channels_last)
     w = (torch.randn(case.c, 1, case.r, case.r, device="cuda", dtype=dtype) / case.r).contiguous(
@@ -84,16 +91,19 @@ def measure(case: Case, batch: int, copy_bw: float, dtype=torch.float16) -> dict
         return kernels.conv2d(x, w, ops, case.signature, stride, pad, [1, 1], out, cfg)
 
     p = ConvProblem(batch, case.c, case.c, case.r, case.r, *shape[2:], 2, torch.cuda.get_device_properties(0)
-                    .multi_processor_count)
+                    .multi_processor_count, case.stride == 1)
     default = default_config(p)
     times, errors = {}, {}
-    for cfg in dict.fromkeys([default, *fast_configs(default)]):
+    extra = [DepthwiseConfig(*t) for t in STRIPS] if strips else []
+    for cfg in dict.fromkeys([default, *fast_configs(default, p), *extra]):
         if not cfg.check(p):
             continue
         out = torch.full(shape, float("nan"), device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
         ours(cfg, out)
         errors[cfg] = ((out.float() - ref).norm() / ref.norm()).item()
         times[cfg] = _bench(lambda cfg=cfg, out=out: ours(cfg, out))
+        if strips:
+            print(f"  {case.name} bs{batch} {cfg}: {times[cfg] * 1e6:.1f} us, err {errors[cfg]:.1e}", flush=True)
     best = min(times, key=times.get)
     out = torch.empty(shape, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
 
@@ -120,14 +130,19 @@ def copy_bandwidth() -> float:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="1,256")
+    p.add_argument("--cases", default="", help="comma-separated substrings of the case names to run")
+    p.add_argument("--strips", action="store_true", help="also time the strip mainloop's tiles (STRIPS), each")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
+    wanted = [w for w in args.cases.split(",") if w]
     torch.backends.cudnn.benchmark = True
     bw = copy_bandwidth()
     rows = []
     for batch in map(int, args.batches.split(",")):
         for case in CASES:
-            rows.append(measure(case, batch, bw))
+            if wanted and not any(w in case.name for w in wanted):
+                continue
+            rows.append(measure(case, batch, bw, strips=args.strips))
             print(json.dumps(rows[-1]), flush=True)
     with open(os.path.join(args.out, "depthwise.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), copy_bytes_per_s=bw, rows=rows), f, indent=1)
@@ -138,7 +153,7 @@ def main():
         cfg = DepthwiseConfig(**r["best_config"])
         print(f"{r['case']:26} {r['batch']:>4} {r['floor_us']:8.1f} {r['ours_us']:8.1f} {r['ours_default_us']:8.1f} "
               f"{r['cudnn_us']:8.1f} {r['cudnn_epilogue_us']:9.1f} {r['cudnn_epilogue_us'] / r['ours_us']:11.2f}x "
-              f"{r['max_rel_err']:8.1e}  {cfg.block_h}x{cfg.block_w}x{cfg.block_n}/{cfg.num_warps}w")
+              f"{r['max_rel_err']:8.1e}  {cfg.block_h}x{cfg.block_w}x{cfg.block_n}/{cfg.num_warps}w strip {cfg.strip}")
 
 
 if __name__ == "__main__":

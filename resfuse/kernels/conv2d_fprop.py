@@ -162,6 +162,7 @@ class ConvProblem:
     ow: int
     dtype_bytes: int
     sms: int  # streaming multiprocessors on the device (1 under the interpreter)
+    unit_w: bool = True  # stride and dilation 1 along the width (the depthwise strip mainloop needs it)
 
     @property
     def m(self) -> int:

@@ -49,8 +49,9 @@ def problem(call):
     if call.op == "conv2d":
         x, w = call.inputs
         oh, ow = call.out.shape[2:]
+        stride, _, dilation = call.params
         return conv2d_fprop.ConvProblem(x.shape[0], x.shape[1], w.shape[0], w.shape[2], w.shape[3], oh, ow,
-                                        x.element_size(), sm_count(dev))
+                                        x.element_size(), sm_count(dev), stride[1] == dilation[1] == 1)
     if call.op == "conv2d_chain":
         x, w1, w2 = call.inputs
         return chain.ChainProblem(call.out.shape[0] * call.out.shape[2] * call.out.shape[3], x.shape[1], w1.shape[0],
@@ -90,7 +91,7 @@ def configs(call, level: str) -> list:
         points = (cls(**dict(zip(family.SPACE, values))) for values in itertools.product(*family.SPACE.values()))
         found = [default] * (family is chain) + [c for c in points if c.check(p)]
     elif family is conv2d_depthwise:
-        found = conv2d_depthwise.fast_configs(default)
+        found = conv2d_depthwise.fast_configs(default, p)
     else:
         tma = _tma_readable(call)
         found = [default] + [dataclasses.replace(default, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns,

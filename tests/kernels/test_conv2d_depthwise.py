@@ -1,5 +1,7 @@
 """Depthwise conv2d kernel numerics under the interpreter: every epilogue op, channel multipliers, non-square
 kernels, stride/padding/dilation, layouts, and every config of the fast level; float64 references."""
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +16,8 @@ from resfuse.ops.fused import conv_out_shape
 from .epilogues import assert_close, check_aux, make_operand, poisoned_aux, reference, trees, with_layout
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-TILES = [None, DepthwiseConfig(1, 16, 16, 2), DepthwiseConfig(4, 8, 64, 4), DepthwiseConfig(2, 4, 32, 2)]
+TILES = [None, DepthwiseConfig(1, 16, 16, 2), DepthwiseConfig(4, 8, 64, 4), DepthwiseConfig(2, 4, 32, 2),
+         DepthwiseConfig(2, 16, 16, 2, strip=8), DepthwiseConfig(4, 8, 32, 1, strip=8), DepthwiseConfig(2, 8, 16, 2, strip=4)]
 
 
 def depthwise(x, w, stride, padding, dilation, tree, operands, config=None, out_layout=torch.channels_last,
@@ -50,9 +53,15 @@ def test_depthwise_epilogues(data, dtype, n, c, mult, hw, rs, stride, padding, d
     check_aux(aux, acc, tree, operands, 1, dtype)
 
 
-@pytest.mark.parametrize("config", fast_configs(DepthwiseConfig()))
+CONVNEXT = ConvProblem(2, 40, 40, 7, 7, 9, 11, 2, 1)
+STRIDE2 = ConvProblem(2, 40, 40, 7, 7, 5, 6, 2, 1, unit_w=False)
+
+
+@pytest.mark.parametrize("config", [*fast_configs(default_config(CONVNEXT), CONVNEXT),
+                                    *fast_configs(default_config(STRIDE2), STRIDE2)])
 def test_every_fast_config_is_correct_on_a_convnext_block(config):
-    """ConvNeXt's 7x7 depthwise conv with its bias, channels_last fp16, on a shape no tile divides."""
+    """ConvNeXt's 7x7 depthwise conv with its bias, channels_last fp16, on a shape no tile divides: the strip
+    mainloop's tiles and the per-tap loop's (the fast level's tiles where the strip does not apply)."""
     x = torch.randn(2, 40, 9, 11).half().contiguous(memory_format=torch.channels_last)
     w = (torch.randn(40, 1, 7, 7) / 7).half().contiguous(memory_format=torch.channels_last)
     bias = torch.randn(40).half()
@@ -83,9 +92,49 @@ def test_only_depthwise_grouped_convs_take_the_depthwise_kernel():
     assert not is_depthwise((1, 8, 5), (8, 1, 3))  # 1-D
 
 
-def test_the_default_passes_its_check_and_wide_convs_keep_every_fast_tile():
+@pytest.mark.parametrize("unit_w", [True, False])
+def test_the_default_passes_its_check_and_the_strip_serves_unit_stride_widths(unit_w):
     for k in (2, 8, 24, 96, 960):
-        for n, hw in ((1, 7), (256, 56)):
-            p = ConvProblem(n, k, k, 7, 7, hw, hw, 2, 132)
-            assert default_config(p).check(p)
-            assert all(c.check(p) for c in fast_configs(default_config(p))) == (k >= 64 and hw > 7)
+        for n, hw in ((1, 2), (1, 7), (256, 56)):
+            for r in (3, 7, 9):
+                p = ConvProblem(n, k, k, r, r, hw, hw, 2, 132, unit_w)
+                default = default_config(p)
+                tiles = fast_configs(default, p)
+                strip = unit_w and r <= 7 and hw >= 4
+                assert default.check(p) and (default.strip > 0) == strip
+                assert len(set(tiles)) == len(tiles)
+                if strip and k >= 16:  # the strip tiles that pass their check (32 or 64 channels wide)
+                    assert all(c.strip > 0 and c.check(p) for c in tiles)
+                if not strip:
+                    assert not any(c.strip for c in tiles)
+                if not unit_w and k >= 64 and hw > 7:
+                    assert all(c.check(p) for c in tiles)  # wide convs keep every per-tap tile
+
+
+STRIP_TILES = [DepthwiseConfig(2, 16, 16, 2, strip=8), DepthwiseConfig(4, 8, 32, 1, strip=8),
+               DepthwiseConfig(2, 8, 16, 2, strip=4), DepthwiseConfig(1, 32, 16, 4, strip=8)]
+
+
+@settings(max_examples=int(os.environ.get("RESFUSE_EXAMPLES", 15)), deadline=None)
+@given(data=st.data(), dtype=st.sampled_from(DTYPES), c=st.sampled_from([16, 17, 40]), mult=st.sampled_from([1, 2]),
+       h=st.integers(1, 6), w_=st.integers(4, 19), r=st.integers(1, 7), s=st.integers(1, 7),
+       stride_h=st.sampled_from([1, 2]), dil_h=st.sampled_from([1, 2]),
+       pad=st.tuples(st.integers(0, 3), st.integers(0, 3)), config=st.sampled_from(STRIP_TILES))
+def test_strip_mainloop(data, dtype, c, mult, h, w_, r, s, stride_h, dil_h, pad, config):
+    """The strip mainloop itself, on every width and tap count it takes: checks that it ran (its config passed its
+    check, so the launch kept it), any stride and dilation along the height, any epilogue."""
+    oh, ow = (h + 2 * pad[0] - dil_h * (r - 1) - 1) // stride_h + 1, w_ + 2 * pad[1] - (s - 1)
+    assume(oh >= 1 and ow >= 1)
+    p = ConvProblem(1, c, c * mult, r, s, oh, ow, 2, 1)
+    assume(config.check(p))
+    tree, roles = data.draw(trees(aux=True))
+    x = torch.randn(2, c, h, w_).to(dtype).contiguous(memory_format=torch.channels_last)
+    w = (torch.randn(c * mult, 1, r, s) / (r * s) ** 0.5).to(dtype).contiguous(memory_format=torch.channels_last)
+    stride, padding, dilation = (stride_h, 1), pad, (dil_h, 1)
+    out_shape = conv_out_shape(x, w, stride, padding, dilation)
+    operands = [make_operand(role, kind, out_shape, 1, dtype, 0) for kind, role in roles]
+    aux = poisoned_aux(tree, torch.empty(out_shape, dtype=dtype).contiguous(memory_format=torch.channels_last))
+    out = depthwise(x, w, stride, padding, dilation, tree, operands, config, torch.channels_last, aux)
+    acc = F.conv2d(x.double(), w.double(), None, stride, padding, dilation, groups=c)
+    assert_close(epi.rows3(out, out.shape, 1), reference(acc, tree, operands, 1), dtype)
+    check_aux(aux, acc, tree, operands, 1, dtype)
