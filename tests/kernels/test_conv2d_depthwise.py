@@ -17,7 +17,8 @@ from .epilogues import assert_close, check_aux, make_operand, poisoned_aux, refe
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TILES = [None, DepthwiseConfig(1, 16, 16, 2), DepthwiseConfig(4, 8, 64, 4), DepthwiseConfig(2, 4, 32, 2),
-         DepthwiseConfig(2, 16, 16, 2, strip=8), DepthwiseConfig(4, 8, 32, 1, strip=8), DepthwiseConfig(2, 8, 16, 2, strip=4)]
+         DepthwiseConfig(2, 16, 16, 2, strip=8), DepthwiseConfig(4, 8, 32, 1, strip=8),
+         DepthwiseConfig(2, 8, 16, 2, strip=4)]
 
 
 def depthwise(x, w, stride, padding, dilation, tree, operands, config=None, out_layout=torch.channels_last,
