@@ -3,7 +3,8 @@
 The "aten+epilogue" provider runs cuBLAS over the whole output, then the epilogue kernel in place over it. Where
 the output is larger than L2 (50 MB on an H100), the pass reads most of it back from HBM: BERT's FFN1 at bs32
 (12288 x 3072 fp16, 75 MB) spends 59 us a layer in its GELU pass. Split into row chunks of a few MB, each chunk's
-pass finds the chunk's rows still in L2 and overwrites them there, so the rows go out to HBM once.
+pass finds the chunk's rows still in L2 and overwrites them there, so the rows go out to HBM once. Measured slower
+on every case (BENCHMARKS.md, twenty-eighth session): the pass is bound by GELU's arithmetic, not by memory.
 
 Entry point: `python bench/l2_chunks.py [--cases SUBSTR] [--mb 8,16,24] [--out DIR]`, on a GPU machine. Per case
 it times (CUDA-graph replays, median): cuBLAS alone, cuBLAS in chunks alone, cuBLAS + the pass (what runs now),
