@@ -44,6 +44,29 @@ def is_depthwise(x_shape: Sequence[int], w_shape: Sequence[int]) -> bool:
 
 
 @triton.jit
+def _per_tap(x_rows, x_cols, w_cols, k_ok, oh, ow, row_ok, H, W, R, s_xh, s_xw, s_wr, s_ws, stride_h, stride_w,
+             pad_h, pad_w, dil_h, dil_w, BM: tl.constexpr, BN: tl.constexpr, S: tl.constexpr, VEC: tl.constexpr):
+    """The per-tap loop's accumulator: for each tap, one shifted [BM, BN] input tile times the tap's weights. The
+    R rows of taps loop; the S taps of a row unroll (S is constexpr), so a row's loads are in flight together."""
+    ih0 = oh * stride_h - pad_h
+    iw0 = ow * stride_w - pad_w
+    acc = tl.full((BM, BN), 0.0, dtype=tl.float32)
+    for r in range(R):
+        ih = ih0 + r * dil_h
+        h_ok = row_ok & (ih >= 0) & (ih < H)
+        x_r = x_rows + ih * (s_xh * VEC)
+        w_r = w_cols + r * s_wr
+        for s in tl.static_range(S):
+            iw = iw0 + s * dil_w
+            ok = h_ok & (iw >= 0) & (iw < W)
+            x_t = tl.load((x_r + iw * (s_xw * VEC))[:, None] + x_cols[None, :],
+                          mask=ok[:, None] & k_ok[None, :], other=0.0)
+            w_t = tl.load(w_r + s * s_ws, mask=k_ok, other=0.0)
+            acc += x_t.to(tl.float32) * w_t.to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
 def _tap(acc, x, w0, w1, w2, w3, w4, w5, w6, s: tl.constexpr, S: tl.constexpr):
     """acc + x * w_s: input column x feeds this strip output through tap s, if s is one (0 <= s < S)."""
     if s >= 0 and s < S:
@@ -135,11 +158,10 @@ def conv2d_depthwise_mainloop(x, w, NB, H, W, C, KO, OH, OW, R, MULT,
                               stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
                               BM: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
                               S: tl.constexpr, VEC: tl.constexpr, WS: tl.constexpr, SPLIT_K: tl.constexpr):
-    """One program's fp32 [BM, BN] outputs, plus the indices the epilogue needs. The kernel's R rows of taps
-    loop; the S taps of a row unroll (S is constexpr), so a row's loads are in flight together. The input's
-    pixel strides come divided by VEC, their common alignment in elements: Triton knows only 16-divisible
-    arguments, and MobileNet's 72 or 120 channels would otherwise read 2 bytes at a time. WS > 0 runs the strip
-    mainloop (`_strip_taps`), whose tile rows are ordered strip position first."""
+    """One program's fp32 [BM, BN] outputs, plus the indices the epilogue needs: from the strip mainloop
+    (`_strip_taps`, WS > 0), whose tile rows are ordered strip position first, or the per-tap loop (`_per_tap`).
+    The input's pixel strides come divided by VEC, their common alignment in elements: Triton knows only
+    16-divisible arguments, and MobileNet's 72 or 120 channels would otherwise read 2 bytes at a time."""
     pid = tl.program_id(0)
     tiles_w = cdiv(OW, BW)
     tiles_hw = cdiv(OH, BH) * tiles_w
@@ -168,25 +190,10 @@ def conv2d_depthwise_mainloop(x, w, NB, H, W, C, KO, OH, OW, R, MULT,
     else:
         oh = oh0 + i // BW
         ow = ow0 + i % BW
+        acc = _per_tap(x + n_i * (s_xn * VEC), x_cols, w_cols, k_ok, oh, ow, (oh < OH) & (ow < OW), H, W, R, s_xh,
+                       s_xw, s_wr, s_ws, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, BM, BN, S, VEC)
     row_ok = (oh < OH) & (ow < OW)
     p_i = oh * OW + ow
-    if WS == 0:
-        ih0 = oh * stride_h - pad_h
-        iw0 = ow * stride_w - pad_w
-        x_rows = x + n_i * (s_xn * VEC)
-        acc = tl.full((BM, BN), 0.0, dtype=tl.float32)
-        for r in range(R):
-            ih = ih0 + r * dil_h
-            h_ok = row_ok & (ih >= 0) & (ih < H)
-            x_r = x_rows + ih * (s_xh * VEC)
-            w_r = w_cols + r * s_wr
-            for s in tl.static_range(S):
-                iw = iw0 + s * dil_w
-                ok = h_ok & (iw >= 0) & (iw < W)
-                x_t = tl.load((x_r + iw * (s_xw * VEC))[:, None] + x_cols[None, :],
-                              mask=ok[:, None] & k_ok[None, :], other=0.0)
-                w_t = tl.load(w_r + s * s_ws, mask=k_ok, other=0.0)
-                acc += x_t.to(tl.float32) * w_t.to(tl.float32)[None, :]
     out_rows = n_i * s_on + oh * s_oh + ow * s_ow
     return acc, pid, 0, n_i, p_i, row_ok, out_rows, offs_k, tile_m
 
@@ -199,6 +206,14 @@ FAMILY = Family(
     constexprs=("BM", "BN", "BH", "BW", "S", "VEC", "WS", "SPLIT_K"),
     n_cols="KO", s_out_c="s_ok",
 )
+
+
+STRIP_TAPS = 7  # the most taps a row that _strip_taps takes: it holds a row's weights in w0..w6
+
+
+def strip_applies(p: ConvProblem) -> bool:
+    """The strip mainloop's loads serve neighbours along the width: stride and dilation 1 there, at most 7 taps."""
+    return p.unit_w and p.s <= STRIP_TAPS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +233,7 @@ class DepthwiseConfig:
         # the fp32 accumulator and a row of taps' input tiles in flight stay in registers
         return (self.block_m * self.block_n <= 64 * 32 * self.num_warps and self.block_n <= max(16, 2 * p.k)
                 and self.block_h <= max(1, 2 * p.oh) and self.block_w <= max(1, 2 * p.ow)
-                and (self.strip == 0 or (p.unit_w and p.s <= 7 and self.block_w % self.strip == 0)))
+                and (self.strip == 0 or (strip_applies(p) and self.block_w % self.strip == 0)))
 
 
 SPACE = {  # the tuner (tuning/space.py) enumerates this product and keeps the configs that pass check()
@@ -235,7 +250,7 @@ def fast_configs(default: DepthwiseConfig, p: ConvProblem) -> list[DepthwiseConf
     strips = ((4, 16, 32, 2, 8), (4, 32, 32, 2, 8), (8, 8, 32, 1, 8), (8, 8, 64, 2, 8), (2, 32, 32, 2, 8),
               (8, 16, 32, 2, 8))
     taps = ((8, 8, 32, 4), (4, 8, 32, 2), (4, 16, 32, 4), (4, 8, 64, 4), (1, 64, 32, 4))
-    tiles = [DepthwiseConfig(*t) for t in strips if DepthwiseConfig(*t).check(p)]
+    tiles = [c for c in (DepthwiseConfig(*t) for t in strips) if c.check(p)]
     return list(dict.fromkeys([default, *(tiles or [DepthwiseConfig(*t) for t in taps])]))
 
 
@@ -245,7 +260,7 @@ def default_config(p: ConvProblem) -> DepthwiseConfig:
     from 64 channels on in the 8 x 8 box), two warps. Else an 8 x 8 box (or the image, when smaller) of 64 bytes
     of channels a pixel for the per-tap loop."""
     bn = 16 if p.k <= 16 else 32
-    if p.unit_w and p.s <= 7 and p.ow >= 4:
+    if strip_applies(p) and p.ow >= 4:
         bh, bw = (4, 16) if p.ow > 8 else (8, 8)
         bn = 64 if bw == 8 and p.k >= 64 else bn
         return DepthwiseConfig(min(bh, triton.next_power_of_2(p.oh)), bw, bn, 2, strip=8)
