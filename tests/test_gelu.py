@@ -9,13 +9,12 @@ import torch
 
 from resfuse import kernels
 
+from .kernel_devices import DEVICES, skip_unless_available
+
 # on purpose, and numpy warns of both under the interpreter: x * x overflows to inf for |x| > 1.8e19 (exp2(-inf)
 # is 0), and -inf * Phi = -inf * 0 is NaN, as in eager
 pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
               pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
-DEVICES = [pytest.param("cpu", id="interpreter"),
-           pytest.param("cuda", id="cuda", marks=[pytest.mark.requires_cuda, pytest.mark.skipif(
-               not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")])]
 SPECIALS = [float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1e-40, -1e-40, 1e30, -1e30, 1e4, -1e4, 9999.0,
             -9999.0, 3.4e38, -3.4e38]
 # (lowest x, bound on |gelu - exact| / |exact|): the fit's 1.2e-7 plus fp32's rounding of x^2 / 2 in the
@@ -25,8 +24,7 @@ BOUNDS = [(-4.0, 2e-6), (-8.0, 1e-5), (-15.0, 4e-5)]
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_gelu_erf_matches_float64_value_by_value(device):
-    if not kernels.available(torch.device(device)):
-        pytest.skip(f"resfuse's kernels do not run on {device} in this process (TRITON_INTERPRET)")
+    skip_unless_available(device)
     x = torch.cat([torch.linspace(-15, 15, 6001), torch.randn(3000) * 4, -torch.logspace(-7, 1.15, 500),
                    torch.logspace(-7, 1.15, 500), torch.tensor(SPECIALS)])
     x = x[torch.randperm(len(x))]

@@ -11,10 +11,9 @@ import torch.nn.functional as F
 from resfuse import epilogue as epi
 from resfuse import kernels
 
+from .kernel_devices import DEVICES, skip_unless_available
+
 SIGNATURES = ["relu(bn[#1e-05](acc,c0,c1,c2,c3))", "sub(c0,acc)", "tanh(mul(c0,acc))"]  # both directions per channel
-DEVICES = [pytest.param("cpu", id="interpreter"),
-           pytest.param("cuda", id="cuda", marks=[pytest.mark.requires_cuda, pytest.mark.skipif(
-               not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")])]
 
 
 def _image(n, c, h, w, dtype):
@@ -30,8 +29,7 @@ def _image(n, c, h, w, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("signature", SIGNATURES)
 def test_epilogue_pool_keeps_every_nan_and_extreme(device, signature):
-    if not kernels.available(torch.device(device)):
-        pytest.skip(f"resfuse's kernels do not run on {device} in this process (TRITON_INTERPRET)")
+    skip_unless_available(device)
     torch.manual_seed(0)
     dtype = torch.float16
     x = _image(2, 24, 15, 13, dtype)
