@@ -2,10 +2,12 @@
 ops whose epilogue stores dominate (ConvNeXt-T's pointwise layers and ResNet-50's 1x1 convs at bs256, BERT's
 FFN).
 
-Entry point: `python bench/persistent.py [--cases SUBSTR] [--sigs "SIG;SIG"] [--out DIR]`, on a GPU machine. For each case it
-times (CUDA-graph replays, median) each config of a small list, checks every result against an fp32
-reference, and prints per case the best one-tile-per-program config, the best persistent one, cuBLAS/cuDNN
-alone, the unfused eager chain and the roofline floor. Rows go to DIR/persistent.json.
+Entry point: `python bench/persistent.py [--cases SUBSTR] [--sigs "SIG;SIG"] [--stores] [--out DIR]`, on a GPU
+machine. For each case it times (CUDA-graph replays, median) each config of a small list, checks every result
+against an fp32 reference, and prints per case the best one-tile-per-program config, the best persistent one,
+cuBLAS/cuDNN alone, the unfused eager chain and the roofline floor. With --stores, each config runs twice, its
+output written by per-thread stores, then by bulk TMA stores (kernels option tma_store), and a second table
+compares the two per case. Rows go to DIR/persistent.json.
 """
 from __future__ import annotations
 
@@ -103,39 +105,61 @@ def conv_case(case):
             epi.rows3(out, out.shape, 1), ref, eager, lambda: F.conv2d(x, w), nbytes, 2 * out.numel() * case.c)
 
 
-def run_case(built, cls, peak: float, bw: float) -> dict:
+def run_case(built, cls, peak: float, bw: float, stores=(True,)) -> dict:
+    """Time each config with each output store in `stores` (True: bulk TMA stores where the kernel can)."""
     name, k, ours, out, ref, eager, alone, nbytes, flops = built
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    timed, errs = [], []
+    timed, errs, by_store = [], [], {}
     for cfg in configs(cls, k):
-        try:
-            out.fill_(float("nan"))
-            ours(cfg)
-            errs.append(kb.rel_err(out, ref))
-            timed.append((cfg, kb.bench(lambda: ours(cfg))))
-        except Exception as e:  # a config that fails to compile is reported, not fatal to the sweep
-            print(f"  {name}: {cfg} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            continue
-        print(f"  {name}: {cfg} {timed[-1][1]:.1f} us, err {errs[-1]:.1e}", flush=True)
+        for store in stores:
+            kernels.set_options(tma_store=store)
+            try:
+                out.fill_(float("nan"))
+                ours(cfg)
+                errs.append(kb.rel_err(out, ref))
+                us = kb.bench(lambda: ours(cfg))
+            except Exception as e:  # a config that fails to compile is reported, not fatal to the sweep
+                print(f"  {name}: {cfg} store {store} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            by_store.setdefault(str(cfg), {})[store] = us
+            if store == stores[-1]:
+                timed.append((cfg, us))
+            print(f"  {name}: {cfg} tma_store={store} {us:.1f} us, err {errs[-1]:.1e}", flush=True)
+    kernels.set_options(tma_store=True)
     (tile_cfg, tile_us), (pers_cfg, pers_us) = best(timed, False), best(timed, True)
     return {"case": name, "tile_us": tile_us, "tile_cfg": str(tile_cfg), "persistent_us": pers_us,
             "persistent_cfg": str(pers_cfg), "eager_us": kb.bench(eager), "alone_us": kb.bench(alone),
             "floor_us": max(flops / peak, nbytes / bw) * 1e6, "max_relerr": max(errs) if errs else float("nan"),
-            "all": [(str(c), us) for c, us in timed]}
+            "all": [(str(c), us) for c, us in timed], "by_store": by_store}
+
+
+def store_table(rows) -> None:
+    """Per case: the best config's time with per-thread stores against bulk TMA stores, and the same config's."""
+    print(f"\n{'case':32} {'pointer':>8} {'tma':>8} {'gain':>6}  {'same cfg':>8}  best pointer config")
+    for r in rows:
+        pairs = {c: v for c, v in r["by_store"].items() if len(v) == 2}
+        if not pairs:
+            continue
+        ptr_cfg = min(pairs, key=lambda c: pairs[c][False])
+        ptr, tma = pairs[ptr_cfg][False], min(v[True] for v in pairs.values())
+        print(f"{r['case'][:32]:32} {ptr:8.1f} {tma:8.1f} {ptr / tma:6.3f}  {ptr / pairs[ptr_cfg][True]:8.3f}  "
+              f"{ptr_cfg}")
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default="", help="substring filter on case names")
     p.add_argument("--sigs", default="", help="semicolon list of GEMM epilogues to time instead of each case's own")
+    p.add_argument("--stores", action="store_true", help="time each config with per-thread and bulk TMA stores")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
+    stores = (False, True) if args.stores else (True,)
     peak, bw = kb.measure_ceilings()
     print(f"ceilings: mm {peak / 1e12:.0f} TFLOP/s, copy {bw / 1e9:.0f} GB/s", flush=True)
     gemms = [g if not sig else (f"{g[0]} [{sig}]", *g[1:4], sig)
              for g in GEMMS if args.cases in g[0] for sig in (args.sigs.split(";") if args.sigs else [""])]
-    rows = [run_case(gemm_case(g), GemmConfig, peak, bw) for g in gemms]
-    rows += [run_case(conv_case(c), ConvConfig, peak, bw) for c in CONVS if args.cases in c.name]
+    rows = [run_case(gemm_case(g), GemmConfig, peak, bw, stores) for g in gemms]
+    rows += [run_case(conv_case(c), ConvConfig, peak, bw, stores) for c in CONVS if args.cases in c.name]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "persistent.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "peak_flops": peak, "copy_bw": bw, "rows": rows}, f,
@@ -146,6 +170,8 @@ def main(argv=None) -> None:
               f"{r['tile_us'] / r['persistent_us']:5.2f} {r['alone_us']:8.1f} {r['eager_us']:8.1f} "
               f"{r['floor_us']:8.1f} {r['max_relerr']:8.1e}")
         print(f"    tile: {r['tile_cfg']}\n    persistent: {r['persistent_cfg']}")
+    if args.stores:
+        store_table(rows)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,10 @@ class Config:
     pdl: bool = True
     ("Launch the generated kernels with programmatic dependent launch on Hopper and later (env RESFUSE_PDL=0 turns "
      "it off): a kernel's programs start while the previous kernel drains and wait for it before touching memory.")
+    tma_store: bool = True
+    ("Let the tuner try writing the outputs of the GEMM's TMA kernels (linear layers, 1x1 convs and their data "
+     "gradients, fp16/bf16) by bulk tensor-descriptor stores, beside per-thread stores, on Hopper and later; it keeps "
+     "the faster (env RESFUSE_TMA_STORE=0 turns them off, cached choices included).")
     split_k: int | None = None
     "Force a split-K factor for every GEMM/conv kernel; None lets the heuristic choose."
     cache_dir: str = dataclasses.field(default_factory=_default_cache_dir)
@@ -98,6 +102,8 @@ class Config:
             env["cache_dir"] = os.environ["RESFUSE_CACHE_DIR"]
         if os.environ.get("RESFUSE_PDL", "") == "0":
             env["pdl"] = False
+        if os.environ.get("RESFUSE_TMA_STORE", "") == "0":
+            env["tma_store"] = False
         if os.environ.get("RESFUSE_DUMP"):
             env["debug_dump"] = os.environ["RESFUSE_DUMP"]
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}

@@ -143,7 +143,8 @@ def partition(joint: fx.GraphModule, joint_inputs, *, config: Config, report: Re
 def make_backend(config: Config, report: Report, run_graph: bool = True):
     # The interpreter is a process-wide Triton mode: a config can turn it on, never off again. Without it,
     # fused ops on CPU tensors take the reference path (PassContext.provider_for).
-    kernels.set_options(cache_dir=config.cache_dir, split_k=config.split_k, pdl=config.pdl)
+    kernels.set_options(cache_dir=config.cache_dir, split_k=config.split_k, pdl=config.pdl,
+                        tma_store=config.tma_store)
     if config.interpret:
         kernels.set_options(interpret=True)
     if kernels.triton_installed():

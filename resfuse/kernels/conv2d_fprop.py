@@ -186,6 +186,7 @@ class ConvConfig:
     ws: bool = False  # warp-specialise a TMA mainloop's loop (ignored without tma)
     persistent: int = 0  # > 0: a 1x1 conv as a persistent GEMM (matmul.PERSISTENT_FAMILY), this many programs an SM;
     #                      ignored where the conv is no plain GEMM
+    tma_store: bool = False  # a 1x1 conv as a GEMM: its output written by bulk stores (matmul.GemmConfig.tma_store)
 
     def check(self, p: ConvProblem) -> bool:
         return (tiles_fit(self, p.dtype_bytes) and not (self.tma and (self.flat or self.block_k * p.dtype_bytes < 16))
@@ -195,7 +196,7 @@ class ConvConfig:
 SPACE = {  # the tuner (tuning/space.py) enumerates this product and keeps the configs that pass check()
     "block_m": (32, 64, 128, 256), "block_n": (32, 64, 128, 256), "block_k": (16, 32, 64),
     "group_m": (8,), "split_k": (1, 2, 4, 8), "flat": (False, True), "num_warps": (4, 8), "num_stages": (2, 3, 4),
-    "tma": (False, True), "ws": (False, True), "persistent": (0, 1, 2),
+    "tma": (False, True), "ws": (False, True), "persistent": (0, 1, 2), "tma_store": (False, True),
 }
 
 

@@ -19,7 +19,8 @@ import triton
 from .. import epilogue as epi
 from ..ops.fused import dense_strides
 from . import codegen, options
-from .plan import _PLANS, Plan, cached_launch, check_outputs, descriptor_operands, operand_strides, pdl_meta  # noqa: F401
+from .plan import _PLANS, Plan, cached_launch, check_outputs, descriptor_operands, descriptor_output  # noqa: F401
+from .plan import operand_strides, pdl_meta  # noqa: F401
 from .plan import plan_key, sm_count  # noqa: F401  (tests and bench scripts reach them through launch)
 from .elementwise import FAMILY as EWISE_FAMILY, default_config as ewise_config
 from .conv2d_bwd_data import FAMILY as DGRAD_FAMILY, DgradConfig, DgradProblem, tap_inverse
@@ -150,14 +151,19 @@ def _tma_plan(as_matrices, inputs, operands, signature, out, channel_dim, cfg, s
     # a split's epilogue runs only in its last program, so the others must not load the operands: pointers
     boxes = descriptor_operands(signature, operands, out.shape, channel_dim, m, n, [bm, bn]) if split == 1 else {}
     slots = tuple(sorted(boxes))
+    # the output as one [M, N] matrix (its samples' rows merged, channels contiguous): written by bulk stores
+    merged = s_on == 1 and (rps == 1 or rps >= m or s_os == rps * s_om)
+    row = s_om if rps > 1 else s_os if m > 1 else n  # one row: any stride would do
+    smem = cfg.num_stages * (bm + bn) * bk * a.element_size() + len(boxes) * bm * bn * 2
+    out_box = descriptor_output(out, m, n, row, [bm, bn], smem) if cfg.tma_store and merged and split == 1 else None
+    kernel = PERSISTENT_FAMILY if cfg.persistent and split == 1 else GEMM_TMA_FAMILY
+    kernel = codegen.load(kernel, signature, slots, out_box is not None)
     if cfg.persistent and split == 1:
         programs = min(tiles_mn, cfg.persistent * sm_count(a.device))
-        return Plan(codegen.load(PERSISTENT_FAMILY, signature, slots), (programs, 1, 1),
-                    [m, n, k, rps, s_os, s_om, tiles_mn, s_on], strides, meta, (tiles_mn, 1, bm, bn), out.device,
-                    descriptors, triton.cdiv(m, bm), boxes)
-    return Plan(codegen.load(GEMM_TMA_FAMILY, signature, slots), (tiles_mn, 1, split),
-                [m, n, k, rps, s_os, s_om, s_on], strides, dict(meta, WS=cfg.ws), (tiles_mn, split, bm, bn),
-                out.device, descriptors, triton.cdiv(m, bm), boxes)
+        return Plan(kernel, (programs, 1, 1), [m, n, k, rps, s_os, s_om, tiles_mn, s_on], strides, meta,
+                    (tiles_mn, 1, bm, bn), out.device, descriptors, triton.cdiv(m, bm), boxes, out_box)
+    return Plan(kernel, (tiles_mn, 1, split), [m, n, k, rps, s_os, s_om, s_on], strides, dict(meta, WS=cfg.ws),
+                (tiles_mn, split, bm, bn), out.device, descriptors, triton.cdiv(m, bm), boxes, out_box)
 
 
 def conv_as_gemm(x: torch.Tensor, w: torch.Tensor, stride, padding, out_strides):

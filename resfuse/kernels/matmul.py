@@ -153,6 +153,7 @@ class GemmConfig:
     tma: bool = False  # gemm_tma_mainloop; only where launch.tma_operands accepts the operands
     ws: bool = False  # warp-specialise the TMA mainloop's loop (ignored without tma)
     persistent: int = 0  # > 0: PERSISTENT_FAMILY with this many programs an SM, each walking tiles (needs tma)
+    tma_store: bool = False  # write the output by bulk stores where launch.descriptor_output accepts it (needs tma)
 
     def check(self, p: GemmProblem) -> bool:
         return (tiles_fit(self, p.dtype_bytes) and not (self.tma and p.batch > 1) and not (self.ws and not self.tma)
@@ -161,8 +162,10 @@ class GemmConfig:
 
 def persistent_ok(cfg) -> bool:
     """A persistent config runs the TMA tile with the whole reduction: it needs tma, and no split or warp
-    specialisation. Shared by both families (a 1x1 conv runs as a GEMM)."""
-    return cfg.persistent == 0 or (cfg.tma and cfg.split_k == 1 and not cfg.ws)
+    specialisation; a bulk store of the output needs tma and no split. Shared by both families (a 1x1 conv runs
+    as a GEMM)."""
+    return ((cfg.persistent == 0 or (cfg.tma and cfg.split_k == 1 and not cfg.ws))
+            and (not cfg.tma_store or (cfg.tma and cfg.split_k == 1)))
 
 
 def tiles_fit(cfg, dtype_bytes: int) -> bool:
@@ -176,7 +179,7 @@ def tiles_fit(cfg, dtype_bytes: int) -> bool:
 SPACE = {  # the tuner (tuning/space.py) enumerates this product and keeps the configs that pass check()
     "block_m": (32, 64, 128, 256), "block_n": (32, 64, 128, 256), "block_k": (32, 64, 128),
     "group_m": (8,), "split_k": (1, 2, 4, 8), "num_warps": (4, 8), "num_stages": (2, 3, 4, 5), "tma": (False, True),
-    "ws": (False, True), "persistent": (0, 1, 2),
+    "ws": (False, True), "persistent": (0, 1, 2), "tma_store": (False, True),
 }
 
 

@@ -51,13 +51,15 @@ class Plan:
     scalar arguments and each operand's [S, P, C] strides. A call only fills in the tensors."""
 
     def __init__(self, kernel, grid, head: list, operand_strides: list, meta: dict, ws_shape: tuple,
-                 device: torch.device, prepare=None, row_blocks: int = 0, operand_boxes: dict | None = None):
+                 device: torch.device, prepare=None, row_blocks: int = 0, operand_boxes: dict | None = None,
+                 out_box: tuple | None = None):
         self.kernel, self.grid, self.head, self.ws_shape = kernel, grid, head, ws_shape
         self.row_blocks = row_blocks  # the mainloop's row_block count (codegen.Family): a bn_stats root's partials
         self.meta = dict(meta, **pdl_meta(device))
         self.operand_strides = operand_strides  # None where the [S, P, C] view is not a view (a copy each call)
         self.prepare = prepare  # the inputs -> what the kernel takes for them (TMA descriptors), or None
         self.operand_boxes = operand_boxes or {}  # slot -> a descriptor's (shape, strides, box): descriptor_operands
+        self.out_box = out_box  # the output's descriptor (shape, strides, box) where it is written by bulk stores
 
     def launch(self, tensors: tuple, out, operands, signature: str, out_shape, channel_dim: int, aux=None,
                stats=None):
@@ -66,6 +68,9 @@ class Plan:
         ws, tickets = split_k.buffers(out, *self.ws_shape)
         op_args = operand_args(operands, self.operand_strides, self.operand_boxes, signature, out_shape, channel_dim)
         outs = (out,) if aux is None else (out, aux)  # the aux output is written through out's offsets
+        if self.out_box is not None:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+            outs = (TensorDescriptor(out, *self.out_box), *outs[1:])
         if stats is not None:
             partials = torch.empty((*stats.shape, self.row_blocks), dtype=torch.float32, device=out.device)
             outs += (partials, self.row_blocks)
@@ -133,7 +138,7 @@ def plan_key(*parts) -> tuple:
     aligned (what a tensor descriptor needs), the other parts as they are."""
     key = tuple((p.shape, p.stride(), p.dtype, p.device, p.data_ptr() % 16 == 0) if isinstance(p, torch.Tensor)
                 else p for p in parts)
-    return (*key, options()["pdl"])
+    return (*key, options()["pdl"], options()["tma_store"])
 
 
 def descriptor_operands(signature: str, operands, out_shape, channel_dim: int, m: int, n: int, box: list) -> dict:
@@ -155,6 +160,19 @@ def descriptor_operands(signature: str, operands, out_shape, channel_dim: int, m
             continue
         found[o.slot] = ([m, n], [row, 1], box)
     return found
+
+
+def descriptor_output(out: torch.Tensor, m: int, n: int, row_stride: int, box: list, smem: int) -> tuple | None:
+    """The (shape, strides, box) of `out` as the [M, N] matrix of rows `row_stride` apart that a TMA family
+    (codegen.Family.origin) writes by bulk stores for a config with tma_store, or None, for per-thread stores:
+    where the option is off (resfuse.Config.tma_store), the output is not fp16/bf16
+    (an fp32 box doubles the store's shared memory), its base or rows are not 16-byte aligned, or the kernel's
+    other shared memory (`smem` bytes: the mainloop's stages, the operands' boxes) leaves no room for the box."""
+    if (not options()["tma_store"] or out.dtype not in (torch.float16, torch.bfloat16) or max(box) > 256
+            or not _bulk_copies(out.device) or out.data_ptr() % 16 or row_stride * out.element_size() % 16
+            or smem + box[0] * box[1] * out.element_size() > 220 * 1024):
+        return None
+    return [m, n], [row_stride, 1], box
 
 
 def operand_strides(signature: str, operands, out_shape, channel_dim: int) -> list:

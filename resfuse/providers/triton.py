@@ -1,7 +1,8 @@
 """The triton provider: our generated kernels, one candidate per config of the level's space.
 
-Each candidate has an epilogue-free twin (signature "acc") for stage 1, but the chain kernel's; all write to
-scratch buffers.
+Each candidate has an epilogue-free twin (signature "acc") for stage 1, but the chain kernel's; at the fast
+level a TMA GEMM's candidate also has a variant that writes its output by bulk stores (space.bulk_store_twin),
+timed in stage 2 if the candidate is shortlisted. All write to scratch buffers.
 """
 from __future__ import annotations
 
@@ -39,14 +40,17 @@ def candidates(call, level: str) -> list[Candidate]:
     if call.op == "conv2d_chain":
         return _chain_candidates(call, level)
     scratch, bare, own = call.out.empty(), call.out.empty(), call.scratch()
-    out = []
-    for cfg in space.configs(call, level):
-        name = "triton:" + ",".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items())
-        out.append(Candidate(
-            "triton", name, dataclasses.asdict(cfg),
-            run=lambda cfg=cfg: _launch(call, call.signature, call.operands, scratch, cfg, own.aux, own.stats),
-            mainloop=lambda cfg=cfg: _launch(call, "acc", [], bare, cfg)))
-    return out
+
+    def candidate(cfg, mainloop: bool) -> Candidate:
+        variants = () if not mainloop or level != "fast" else tuple(
+            candidate(twin, False) for twin in [space.bulk_store_twin(call, cfg)] if twin is not None)
+        return Candidate(
+            "triton", "triton:" + ",".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()),
+            dataclasses.asdict(cfg),
+            run=lambda: _launch(call, call.signature, call.operands, scratch, cfg, own.aux, own.stats),
+            mainloop=(lambda: _launch(call, "acc", [], bare, cfg)) if mainloop else None, variants=variants)
+
+    return [candidate(cfg, True) for cfg in space.configs(call, level)]
 
 
 def _chain_candidates(call, level: str) -> list[Candidate]:

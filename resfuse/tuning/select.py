@@ -4,8 +4,9 @@ Entry point: `select(candidates, reference, bench=..., top_k=..., budget_s=..., 
 and the clock are arguments, so tests drive the logic with fake timings (as Triton's autotuner does).
 
 Stage 1 times each kernel config *without* its epilogue and keeps the `top_k` fastest (TVM #9800). Stage 2
-times that shortlist *with* the real epilogue, beside every candidate that has no epilogue-free form (cuDNN's
-fused graph, the unfused ATen baseline), checks each one's output against the reference, and keeps the fastest
+times that shortlist *with* the real epilogue, and its candidates' variants (the same mainloop, its output
+written another way), beside every candidate that has no epilogue-free form (cuDNN's fused graph, the unfused
+ATen baseline), checks each one's output against the reference, and keeps the fastest
 correct one: a config chosen on its epilogue-free time can lose once fused (PyTorch #186059). A candidate
 that fails to build or launch, gives a wrong or non-finite answer, or reports an impossible time is
 discarded, never chosen. Candidates run on scratch buffers of their own: never in place on live data
@@ -28,6 +29,7 @@ class Candidate:
     config: dict
     run: Callable[[], torch.Tensor]  # the fused op on scratch buffers, returns its output (a tuple: its outputs)
     mainloop: Callable[[], object] | None = None  # the same config without the epilogue (stage 1), if any
+    variants: tuple["Candidate", ...] = ()  # stage 2 only, if this one is shortlisted: its mainloop is this one's
 
 
 @dataclasses.dataclass
@@ -90,6 +92,7 @@ def select(candidates: list[Candidate], reference: torch.Tensor | tuple, *, benc
         else:
             stage1.append((t, c))
     shortlist = [c for _, c in sorted(stage1, key=lambda tc: tc[0])[:top_k]]
+    shortlist += [v for c in shortlist for v in c.variants]
     shortlist += [c for c in candidates if c.mainloop is None]
 
     times, best = {}, None

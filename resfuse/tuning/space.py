@@ -13,6 +13,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import torch
+
+from .. import kernels
 from ..kernels import chain, conv2d_bwd_data, conv2d_depthwise, conv2d_fprop, launch, matmul
 from ..kernels.launch import sm_count
 
@@ -76,6 +79,23 @@ def _tma_readable(call) -> bool:
         return (launch.conv_as_gemm(*call.inputs, *call.params[:2], call.out.strides) is not None
                 or launch.conv_tma_operands(*call.inputs, call.params[0]) is not None)
     return False
+
+
+def bulk_store_twin(call, cfg):
+    """cfg with its output written by bulk TMA stores (tma_store), where that would change the kernel: a GEMM,
+    1x1 conv or 1x1 dgrad on the TMA mainloops, unsplit, into an fp16/bf16 output, with the option on; else None.
+    Per config, bulk stores measured 0.73-1.33x per-thread stores (bench/persistent.py --stores, BENCHMARKS.md
+    twenty-ninth session), so the tuner times both where a config is shortlisted."""
+    if (not kernels.options()["tma_store"] or not getattr(cfg, "tma", False) or cfg.split_k != 1
+            or call.out.dtype not in (torch.float16, torch.bfloat16)):
+        return None
+    plain_gemm = {"gemm": lambda: launch.tma_operands(*call.inputs),
+                  "conv2d": lambda: launch.conv_as_gemm(*call.inputs, *call.params[:2], call.out.strides),
+                  "conv2d_dgrad": lambda: launch.dgrad_as_gemm(*call.inputs, *call.params[:2], call.out.strides)}
+    if call.op not in plain_gemm or plain_gemm[call.op]() is None:
+        return None
+    twin = dataclasses.replace(cfg, tma_store=True)
+    return twin if twin.check(problem(call)) else None
 
 
 def configs(call, level: str) -> list:

@@ -128,17 +128,22 @@ def with_layout(t: torch.Tensor, how: str) -> torch.Tensor:
 def descriptor_slots(tree, operands, out_shape, channel_dim: int, split: int) -> tuple:
     """The operand slots the GEMM's TMA families read through tensor descriptors: full fp16/bf16 operands whose
     rows, the output's, form one row-major matrix with 16-byte aligned rows; none when the reduction is split."""
-    slots = []
-    for o, t in zip(epi.operands(tree), operands):
-        if o.kind != "full" or t.dtype == torch.float32 or split > 1:
-            continue
-        v = epi.rows3(t, out_shape, channel_dim)
-        matrix = v.reshape(-1, v.shape[-1])  # a view only where the rows merge
-        row = matrix.stride(0) if matrix.shape[0] > 1 else matrix.shape[1]  # one row: any stride would do
-        if (matrix.data_ptr() == t.data_ptr() and v.stride(-1) == 1 and row * t.element_size() % 16 == 0
-                and t.data_ptr() % 16 == 0):
-            slots.append(o.slot)
-    return tuple(slots)
+    return tuple(o.slot for o, t in zip(epi.operands(tree), operands)
+                 if o.kind == "full" and split == 1 and _descriptor_matrix(t, out_shape, channel_dim))
+
+
+def output_descriptor(out: torch.Tensor, channel_dim: int, split: int) -> bool:
+    """Whether the GEMM's TMA families write `out` by bulk stores: as descriptor_slots' operands, no split."""
+    return split == 1 and _descriptor_matrix(out, out.shape, channel_dim)
+
+
+def _descriptor_matrix(t: torch.Tensor, out_shape, channel_dim: int) -> bool:
+    """t (fp16/bf16) is one row-major matrix of the output's rows, its base and rows 16-byte aligned."""
+    v = epi.rows3(t, out_shape, channel_dim)
+    matrix = v.reshape(-1, v.shape[-1])  # a view only where the rows merge
+    row = matrix.stride(0) if matrix.shape[0] > 1 else matrix.shape[1]  # one row: any stride would do
+    return (t.dtype != torch.float32 and matrix.data_ptr() == t.data_ptr() and v.stride(-1) == 1
+            and row * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0)
 
 
 def reference(acc64: torch.Tensor, tree, operands, channel_dim: int) -> torch.Tensor:
@@ -152,7 +157,7 @@ def poisoned_aux(tree, out: torch.Tensor) -> torch.Tensor | None:
     """A NaN-filled aux output laid out like `out` (in the inputs' dtype), or None when the tree has no aux."""
     if epi.aux_value(tree) is None:
         return None
-    return torch.full_like(out, float("nan"), dtype=out.dtype)
+    return torch.empty_strided(out.shape, out.stride(), dtype=out.dtype).fill_(float("nan"))  # padded as out is
 
 
 def check_aux(aux, acc64, tree, operands, channel_dim: int, dtype) -> None:

@@ -10,7 +10,8 @@ from resfuse import epilogue as epi
 from resfuse import kernels
 from resfuse.kernels import conv2d_bwd_data, launch
 
-from .epilogues import assert_close, descriptor_slots, forced_split, make_operand, reference, trees, with_layout
+from .epilogues import (assert_close, descriptor_slots, forced_split, make_operand, output_descriptor, reference, trees,
+                        with_layout)
 from .test_batch_norm_backward import _aten64, _check as _check_bn_backward
 from .test_conv2d_dgrad import DTYPES, RESNET, _check, _problem, out_size
 
@@ -76,13 +77,17 @@ def test_1x1_dgrad_sums_on_the_gemm_tma_mainloops(data, dtype, n, c8, k8, hw, sp
     stats_tree, all_ops = _with_sums(tree, operands, in_shape, dtype, "channels_last")
     out = torch.full(in_shape, float("nan"), dtype=dtype).contiguous(memory_format=torch.channels_last)
     sums = _poisoned_sums(c)
+    bulk = data.draw(st.booleans()) and (persistent or split == 1)  # a bulk output store
     cfg = conv2d_bwd_data.DgradConfig(*tile, group_m=2, split_k=1 if persistent else split, num_warps=4,
-                                      num_stages=2, tma=True, persistent=persistent)
+                                      num_stages=2, tma=True, persistent=persistent,
+                                      tma_store=bulk)
     launch.conv2d_dgrad(grad_out, w, all_ops, str(stats_tree), [1, 1], [0, 0], [1, 1], out, cfg, sums)
     family = "gemm_tma_persistent" if persistent else "gemm_tma"
     slots = descriptor_slots(stats_tree, all_ops, in_shape, 1, cfg.split_k)
     assert (len(operands) in slots) == (dtype != torch.float32 and cfg.split_k == 1)  # x: channels_last
-    assert (family, kernels.codegen.variant(str(stats_tree), slots)) in kernels.codegen._LOADED
+    out_tma = output_descriptor(out, 1, cfg.split_k) and cfg.tma_store
+    assert out_tma == (dtype != torch.float32 and cfg.split_k == 1 and cfg.tma_store)  # channels_last, 16-byte rows
+    assert (family, kernels.codegen.variant(str(stats_tree), slots, out_tma)) in kernels.codegen._LOADED
     _check(out, grad_out, w, tree, operands, (1, 1), (0, 0), (1, 1), dtype)
     _check_sums(sums, out, *all_ops[-2:])
 

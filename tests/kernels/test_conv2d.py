@@ -8,7 +8,8 @@ from resfuse import epilogue as epi
 from resfuse.kernels import codegen, launch
 from resfuse.ops.fused import conv_out_shape
 
-from .epilogues import (assert_close, check_aux, descriptor_slots, forced_split, make_operand, poisoned_aux, reference,
+from .epilogues import (assert_close, check_aux, descriptor_slots, forced_split, make_operand, output_descriptor,
+                        poisoned_aux, reference,
                         trees, with_layout)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -99,12 +100,14 @@ def test_1x1_conv_on_the_tma_mainloop(data, dtype, n, c8, k, hw, out_layout, spl
     operands = [make_operand(role, kind, out_shape, 1, dtype, lay) for (kind, role), lay in zip(roles, layouts)]
     out = torch.full(out_shape, float("nan"), dtype=dtype).contiguous(memory_format=out_layout)
     assert launch.conv_as_gemm(x, w, [1, 1], [0, 0], out.stride()) is not None  # the TMA path, not the fallback
+    bulk = data.draw(st.booleans()) and (persistent or split == 1)  # a bulk output store
     cfg = launch.ConvConfig(*tile, group_m=2, split_k=1 if persistent else split, num_warps=4, num_stages=2, tma=True,
-                            persistent=persistent)
+                            persistent=persistent, tma_store=bulk)
     launch.conv2d(x, w, operands, str(tree), [1, 1], [0, 0], [1, 1], out, cfg)
     family = "gemm_tma_persistent" if persistent else "gemm_tma"
     slots = descriptor_slots(tree, operands, out_shape, 1, cfg.split_k)
-    assert (family, codegen.variant(str(tree), slots)) in codegen._LOADED  # not the fallback
+    out_tma = output_descriptor(out, 1, cfg.split_k) and cfg.tma_store
+    assert (family, codegen.variant(str(tree), slots, out_tma)) in codegen._LOADED  # not the fallback
     acc = F.conv2d(x.double(), w.double())
     assert_close(epi.rows3(out, out.shape, 1), reference(acc, tree, operands, 1), dtype)
 

@@ -7,7 +7,8 @@ from hypothesis import assume, given, settings, strategies as st
 from resfuse import epilogue as epi
 from resfuse.kernels import codegen, conv2d_bwd_data, launch
 
-from .epilogues import assert_close, descriptor_slots, forced_split, make_operand, reference, trees, with_layout
+from .epilogues import (assert_close, descriptor_slots, forced_split, make_operand, output_descriptor, reference, trees,
+                        with_layout)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 RESNET = "threshold_bwd[#0.0](add(acc,full0),full1)"  # relu_backward(dgrad + grad_shortcut, relu_out)
@@ -171,12 +172,15 @@ def test_1x1_dgrad_on_the_gemm_tma_mainloop(data, dtype, n, c, k8, hw, w_layout,
     out = torch.full(in_shape, float("nan"), dtype=dtype).contiguous(memory_format=out_layout)
     tma = launch.dgrad_as_gemm(grad_out, w, [1, 1], [0, 0], out.stride()) is not None
     assert tma == (c * w.element_size() % 16 == 0)  # a misaligned weight row keeps the implicit-GEMM mainloop
+    bulk = data.draw(st.booleans()) and (persistent or split == 1)  # a bulk output store
     cfg = conv2d_bwd_data.DgradConfig(*tile, group_m=2, split_k=1 if persistent else split, num_warps=4,
-                                      num_stages=2, tma=True, persistent=persistent)
+                                      num_stages=2, tma=True, persistent=persistent,
+                                      tma_store=bulk)
     launch.conv2d_dgrad(grad_out, w, operands, str(tree), [1, 1], [0, 0], [1, 1], out, cfg)
     family = "gemm_tma_persistent" if persistent else "gemm_tma"
     slots = descriptor_slots(tree, operands, in_shape, 1, cfg.split_k)
-    assert ((family, codegen.variant(str(tree), slots)) in codegen._LOADED) or not tma  # not the fallback
+    out_tma = output_descriptor(out, 1, cfg.split_k) and cfg.tma_store
+    assert ((family, codegen.variant(str(tree), slots, out_tma)) in codegen._LOADED) or not tma  # not the fallback
     _check(out, grad_out, w, tree, operands, (1, 1), (0, 0), (1, 1), dtype)
 
 

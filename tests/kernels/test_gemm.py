@@ -9,7 +9,8 @@ from resfuse.kernels.matmul import GemmProblem
 
 from resfuse import epilogue as epi
 
-from .epilogues import (assert_close, check_aux, descriptor_slots, forced_split, make_operand, poisoned_aux, reference,
+from .epilogues import (assert_close, check_aux, descriptor_slots, forced_split, make_operand, output_descriptor,
+                        poisoned_aux, reference,
                         trees)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -107,9 +108,13 @@ def test_tma_mainloop_epilogues(data, dtype, m, n8, k8, b_cm, split, tile, persi
     assert launch.tma_operands(a, b)[1] == (not b_cm)  # the descriptor path, with B's orientation
     layouts = [data.draw(st.sampled_from([0, 1, 2])) for _ in roles]  # contiguous, column-major, strided
     operands = [make_operand(role, kind, [m, n], -1, dtype, lay) for (kind, role), lay in zip(roles, layouts)]
-    out = torch.full((m, n), float("nan"), dtype=dtype)
+    pad = data.draw(st.sampled_from([0, 8]))  # rows padded: the bulk store must clip at the matrix's columns
+    storage = torch.full((m, n + pad), float("nan"), dtype=dtype)
+    out = storage[:, :n]
+    bulk = data.draw(st.booleans()) and (persistent or split == 1)  # a bulk output store
     cfg = launch.GemmConfig(*tile, group_m=2, split_k=1 if persistent else split, num_warps=4, num_stages=2,
-                            tma=True, ws=not persistent and data.draw(st.booleans()), persistent=persistent)
+                            tma=True, ws=not persistent and data.draw(st.booleans()), persistent=persistent,
+                            tma_store=bulk)
     assert cfg.check(GemmProblem(1, m, n, k, a.element_size(), 1))
     aux = poisoned_aux(tree, out)
     launch.gemm(a, b, operands, str(tree), out, cfg, aux)
@@ -117,9 +122,12 @@ def test_tma_mainloop_epilogues(data, dtype, m, n8, k8, b_cm, split, tile, persi
     assert slots or not any(k == "full" and lay == 0 and dtype != torch.float32 and cfg.split_k == 1
                             for (k, _), lay in zip(roles, layouts))  # contiguous rows of 8k elements: descriptors
     family = "gemm_tma_persistent" if persistent else "gemm_tma"
-    assert (family, codegen.variant(str(tree), slots)) in codegen._LOADED  # not the pointer fallback
+    out_tma = output_descriptor(out, -1, cfg.split_k) and cfg.tma_store
+    assert out_tma == (dtype != torch.float32 and cfg.split_k == 1 and cfg.tma_store)  # 16-byte rows: n = 8 n8
+    assert (family, codegen.variant(str(tree), slots, out_tma)) in codegen._LOADED  # not the pointer fallback
     acc = torch.matmul(a.double(), b.double())
     assert_close(epi.rows3(out, out.shape, -1), reference(acc, tree, operands, -1), dtype)
+    assert torch.isnan(storage[:, n:]).all(), "wrote outside the output view"
     check_aux(aux, acc, tree, operands, -1, dtype)
 
 

@@ -33,6 +33,22 @@ def test_stage2_time_with_epilogue_decides_not_stage1():
     assert out.winner is b and set(out.times) == {"a", "b", "aten"}
 
 
+def test_variants_are_timed_in_stage2_only_beside_a_shortlisted_candidate():
+    """A variant (the same mainloop, its output written another way) has no stage-1 time of its own: it is timed
+    in stage 2 when its candidate is shortlisted, and may win there; a cut candidate's variant is never run."""
+    va, vc = cand("a+bulk", stage1=False), cand("c+bulk", stage1=False)
+    a = Candidate("triton", "a", {}, lambda: REF.clone(), lambda: None, variants=(va,))
+    c = Candidate("triton", "c", {}, lambda: REF.clone(), lambda: None, variants=(vc,))
+    b = cand("b")
+    times = {a.mainloop: 1.0, b.mainloop: 2.0, c.mainloop: 9.0, a.run: 5.0, b.run: 4.0, va.run: 3.0,
+             vc.run: ValueError("a variant of a cut candidate ran")}
+    out = select([a, b, c], REF, bench=fake_bench(times), tol=1e-6, top_k=2)
+    assert out.winner is va and set(out.times) == {"a", "b", "a+bulk"}
+    times[va.run] = 6.0
+    out = select([a, b, c], REF, bench=fake_bench(times), tol=1e-6, top_k=2)
+    assert out.winner is b and out.times["a+bulk"] == 6.0
+
+
 def test_unfused_baseline_wins_when_it_is_fastest():
     a, aten = cand("a"), cand("aten", "aten", stage1=False)
     out = select([a, aten], REF, bench=fake_bench({a.mainloop: 1.0, a.run: 2.0, aten.run: 1.5}), tol=1e-6)

@@ -65,3 +65,28 @@ def test_1x1_dgrads_get_tma_and_persistent_variants_and_the_others_do_not():
                  dgrad_call(g, torch.randn(64, 256, 1, 1).half(), 2, [0, 0], (13, 13)),  # the strided downsample
                  dgrad_call(g.contiguous(), torch.randn(64, 256, 1, 1).half(), 1, [0, 0], (7, 7))):  # NCHW grad_out
         assert not any(c.tma or c.persistent for c in space.configs(call, "fast"))
+
+
+def test_bulk_store_twins_only_for_unsplit_tma_gemms_into_fp16_or_bf16():
+    """space.bulk_store_twin: the TMA GEMM configs' twin that writes the output by bulk stores; none for pointer or
+    split configs, fp32 outputs, convs that are not plain GEMMs, or with the option off."""
+    from resfuse import kernels
+    aligned = gemm_call(torch.randn(100, 64).half(), torch.randn(96, 64).half().t())
+    offered = space.configs(aligned, "fast")
+    twins = {c: space.bulk_store_twin(aligned, c) for c in offered}
+    assert all((t is not None) == (c.tma and c.split_k == 1) for c, t in twins.items())
+    assert all(t.tma_store and t == c.__class__(**{**c.__dict__, "tma_store": True}) for c, t in twins.items() if t)
+    assert not any(c.tma_store for c in offered)  # the fast level's own configs store per thread
+    fp32 = gemm_call(torch.randn(100, 64), torch.randn(96, 64).t())
+    assert not any(space.bulk_store_twin(fp32, c) for c in space.configs(fp32, "fast"))
+    cl = torch.channels_last
+    x = torch.randn(2, 64, 7, 7).half().contiguous(memory_format=cl)
+    w3 = torch.randn(64, 64, 3, 3).half().contiguous(memory_format=cl)
+    out = Output.of([2, 64, 7, 7], x.dtype, x.device, cl)
+    box = Call("conv2d", (x, w3), [], "acc", ([1, 1], [1, 1], [1, 1]), out)  # the 3x3 box mainloop: no [M, N] rows
+    assert not any(space.bulk_store_twin(box, c) for c in space.configs(box, "fast"))
+    kernels.set_options(tma_store=False)
+    try:
+        assert not any(space.bulk_store_twin(aligned, c) for c in offered)
+    finally:
+        kernels.set_options(tma_store=True)

@@ -214,3 +214,21 @@ def test_triton_candidates_are_built_together_and_failures_left_to_select(monkey
     ran.clear()
     ch.compile_in_parallel(cands, torch.device("cpu"))  # the interpreter: nothing to build, not thread-safe
     assert ran == []
+
+
+def test_tma_gemm_candidates_carry_a_bulk_store_variant_that_computes_the_op():
+    from resfuse.providers import triton as triton_provider
+    a, w = torch.randn(40, 32).half(), (torch.randn(24, 32) / 6).half()  # a linear layer: B is the weight's [N, K].T
+    call = ch.Call("gemm", (a, w.t()), [], "relu(acc)", ([40, 24],), Output.of([40, 24], a.dtype, a.device))
+    found = triton_provider.candidates(call, "fast")
+    tma = [c for c in found if c.config["tma"] and c.config["split_k"] == 1]
+    assert tma and all(not c.variants for c in found if c not in tma)
+    for c in tma:
+        (v,) = c.variants
+        assert v.mainloop is None and v.config == {**c.config, "tma_store": True}
+    out = tma[0].variants[0].run()
+    out.fill_(float("nan"))
+    out = tma[0].variants[0].run()
+    torch.testing.assert_close(out.double(), torch.relu(a.double() @ w.double().t()), rtol=2e-3, atol=2e-3)
+    assert ("gemm_tma", "relu(acc)|out") in kernels.codegen._LOADED or \
+        ("gemm_tma_persistent", "relu(acc)|out") in kernels.codegen._LOADED  # the bulk-store kernel ran
