@@ -188,8 +188,8 @@ def test_report_says_when_aten_was_not_measured():
 
 
 def test_triton_candidates_are_built_together_and_failures_left_to_select(monkeypatch):
-    """compile_in_parallel launches every Triton candidate (with and without its epilogue) from a thread
-    pool before stage 1; a candidate that fails is ignored there, other providers are not touched."""
+    """compile_in_parallel launches every Triton candidate (with and without its epilogue, and its variants) from a
+    thread pool before stage 1; a candidate that fails is ignored there, other providers are not touched."""
     import threading
 
     from resfuse.tuning.select import Candidate
@@ -206,10 +206,12 @@ def test_triton_candidates_are_built_together_and_failures_left_to_select(monkey
                 raise RuntimeError("does not compile")
         return fn
 
-    cands = [Candidate("triton", f"t{i}", {}, job(f"run{i}", fail=i == 1), job(f"bare{i}")) for i in range(3)]
+    cands = [Candidate("triton", f"t{i}", {}, job(f"run{i}", fail=i == 1), job(f"bare{i}"),
+                       (Candidate("triton", f"t{i}+bulk", {}, job(f"bulk{i}")),) * (i == 2)) for i in range(3)]
     cands.append(Candidate("epilogue", "aten+epilogue", {}, job("epilogue")))
     ch.compile_in_parallel(cands, torch.device("cuda"))
-    assert sorted(n for n, _ in ran) == sorted([f"run{i}" for i in range(3)] + [f"bare{i}" for i in range(3)])
+    assert sorted(n for n, _ in ran) == sorted([f"run{i}" for i in range(3)] + [f"bare{i}" for i in range(3)]
+                                               + ["bulk2"])  # a variant is built too
     assert all(t != threading.main_thread().name for _, t in ran)
     ran.clear()
     ch.compile_in_parallel(cands, torch.device("cpu"))  # the interpreter: nothing to build, not thread-safe
