@@ -77,6 +77,7 @@ def configure(level: str, cache_dir: str, budget_s: float, force: bool = False) 
         del _CHOICES[k]
     if cache_dir != _SETTINGS["cache_dir"]:
         _STATE["cache"] = None
+        _CHOICES.clear()  # another cache: the choices read from or tuned into the last one are not its own
     if force and not _SETTINGS["force"]:
         _CHOICES.clear()  # a forced re-tune measures again what this process already chose
     _SETTINGS.update(level=level, cache_dir=cache_dir, budget_s=budget_s, force=force)

@@ -79,6 +79,9 @@ def test_choose_tunes_once_caches_and_force_retunes(tmp_path, monkeypatch):
     ch.configure("fast", str(tmp_path), budget_s=600, force=False)
     ch._CHOICES.clear()
     assert ch.choose(call).provider == "aten"
+    monkeypatch.setattr(ch, "_bench", bench_favouring("triton"))
+    ch.configure("fast", str(tmp_path / "other"), budget_s=600)
+    assert ch.choose(call).provider == "triton"  # another cache: this process's choices are not carried into it
     # the chosen config really runs: the op's output equals the unfused math
     out = kernels.conv2d(*call.inputs, call.operands, SIG, *call.params, call.out.empty().fill_(float("nan")),
                          first.config)
