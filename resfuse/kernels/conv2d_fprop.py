@@ -186,11 +186,13 @@ class ConvConfig:
     ws: bool = False  # warp-specialise a TMA mainloop's loop (ignored without tma)
     persistent: int = 0  # > 0: a 1x1 conv as a persistent GEMM (matmul.PERSISTENT_FAMILY), this many programs an SM;
     #                      ignored where the conv is no plain GEMM
-    tma_store: bool = False  # a 1x1 conv as a GEMM: its output written by bulk stores (matmul.GemmConfig.tma_store)
+    tma_store: bool = False  # a 1x1 conv as a GEMM: its output written by bulk stores (matmul.GemmConfig.tma_store);
+    #                          like persistent, not for a conv with more than one tap
 
     def check(self, p: ConvProblem) -> bool:
         return (tiles_fit(self, p.dtype_bytes) and not (self.tma and (self.flat or self.block_k * p.dtype_bytes < 16))
-                and not (self.ws and not self.tma) and persistent_ok(self) and not (self.persistent and p.r * p.s > 1))
+                and not (self.ws and not self.tma) and persistent_ok(self)
+                and not ((self.persistent or self.tma_store) and p.r * p.s > 1))
 
 
 SPACE = {  # the tuner (tuning/space.py) enumerates this product and keeps the configs that pass check()

@@ -85,6 +85,13 @@ def test_bulk_store_twins_only_for_unsplit_tma_gemms_into_fp16_or_bf16():
     out = Output.of([2, 64, 7, 7], x.dtype, x.device, cl)
     box = Call("conv2d", (x, w3), [], "acc", ([1, 1], [1, 1], [1, 1]), out)  # the 3x3 box mainloop: no [M, N] rows
     assert not any(space.bulk_store_twin(box, c) for c in space.configs(box, "fast"))
+    from resfuse.kernels.conv2d_fprop import ConvConfig, ConvProblem
+    bulk = ConvConfig(tma=True, tma_store=True)
+    assert bulk.check(ConvProblem(2, 64, 64, 1, 1, 7, 7, 2, 132))
+    assert not bulk.check(ConvProblem(2, 64, 64, 3, 3, 7, 7, 2, 132))  # the box mainloop writes no [M, N] rows
+    one = Call("conv2d", (x, torch.randn(256, 64, 1, 1).half()), [], "acc", ([1, 1], [0, 0], [1, 1]),
+               Output.of([2, 256, 7, 7], x.dtype, x.device, cl))  # a 1x1 conv: the GEMM, its twins
+    assert any(space.bulk_store_twin(one, c) for c in space.configs(one, "fast"))
     kernels.set_options(tma_store=False)
     try:
         assert not any(space.bulk_store_twin(aligned, c) for c in offered)
