@@ -251,8 +251,8 @@ def compile_in_parallel(candidates: list, device: torch.device) -> None:
     """Build every Triton candidate's kernels at once, before any is timed: each is launched once (with and
     without its epilogue, and each of its variants) on its scratch buffers from a thread pool. Triton's compiler
     releases the GIL for most of its work (6 sm_90 kernels: 6.4 s serially, 3.7 s on 2 threads of this 2-core CI
-    machine), so the compiles overlap instead of queueing inside stage 1. A failure here is ignored: select() meets it again
-    and records why."""
+    machine), so the compiles overlap instead of queueing inside stage 1. A failure here is ignored: select()
+    meets it again and records why."""
     if device.type != "cuda":
         return  # under the interpreter nothing is compiled, and the interpreter is not thread-safe
     jobs = [f for c in candidates if c.provider == "triton"
