@@ -1,7 +1,7 @@
 """GPU benchmark of the depthwise conv kernel against cuDNN, on the zoo's depthwise shapes (fp16, channels_last).
 
-Entry point: `python bench/depthwise.py [--batches 1,256] [--cases SUBSTR,...] [--strips] [--out DIR]`, on a GPU
-machine. For each case it checks every config of the fast level (and with --strips the strip mainloop's tiles,
+Entry point: `python bench/depthwise.py [--batches 1,256] [--cases SUBSTR,...] [--strips] [--scalar-channels]
+[--out DIR]`, on a GPU machine. For each case it checks every config of the fast level (and with --strips the strip mainloop's tiles,
 STRIPS) against an fp32 reference, then times (CUDA-graph replays, the tuner's `_bench`): our kernel with the
 case's epilogue, at its best config and at the heuristic default; cuDNN's conv alone; cuDNN's conv followed by
 the same epilogue in our generated kernel (the "aten+epilogue" provider, what ran before this kernel existed);
@@ -132,8 +132,14 @@ def main():
     p.add_argument("--batches", default="1,256")
     p.add_argument("--cases", default="", help="comma-separated substrings of the case names to run")
     p.add_argument("--strips", action="store_true", help="also time the strip mainloop's tiles (STRIPS), each")
+    p.add_argument("--scalar-channels", action="store_true",
+                   help="KV = 1: the channel mask and output strides as before the channel vectors (an A/B)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
+    if args.scalar_channels:
+        from resfuse.kernels import launch
+        aligned = launch.pixel_alignment
+        launch.pixel_alignment = lambda t, *more: 1 if more else aligned(t)
     wanted = [w for w in args.cases.split(",") if w]
     torch.backends.cudnn.benchmark = True
     bw = copy_bandwidth()

@@ -31,10 +31,11 @@ from .conv2d_fprop import ConvProblem
 from .tiles import cdiv
 
 
-def pixel_alignment(x: torch.Tensor) -> int:
-    """The largest of 8, 4, 2, 1 elements that divides the input's sample, row and column strides (VEC)."""
+def pixel_alignment(x: torch.Tensor, *more: int) -> int:
+    """The largest of 8, 4, 2, 1 elements that divides the sample, row and column strides of x (an [N, C, H, W]
+    tensor), and the numbers in `more`: the input's VEC, or with the channel count the output's KV."""
     s_n, _, s_h, s_w = x.stride()
-    return next(v for v in (8, 4, 2, 1) if s_n % v == s_h % v == s_w % v == 0)
+    return next(v for v in (8, 4, 2, 1) if all(k % v == 0 for k in (s_n, s_h, s_w, *more)))
 
 
 def is_depthwise(x_shape: Sequence[int], w_shape: Sequence[int]) -> bool:
@@ -157,11 +158,14 @@ def conv2d_depthwise_mainloop(x, w, NB, H, W, C, KO, OH, OW, R, MULT,
                               s_xn, s_xc, s_xh, s_xw, s_wk, s_wr, s_ws, s_on, s_oh, s_ow,
                               stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
                               BM: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
-                              S: tl.constexpr, VEC: tl.constexpr, WS: tl.constexpr, SPLIT_K: tl.constexpr):
+                              S: tl.constexpr, VEC: tl.constexpr, WS: tl.constexpr, KV: tl.constexpr,
+                              SPLIT_K: tl.constexpr):
     """One program's fp32 [BM, BN] outputs, plus the indices the epilogue needs: from the strip mainloop
     (`_strip_taps`, WS > 0), whose tile rows are ordered strip position first, or the per-tap loop (`_per_tap`).
-    The input's pixel strides come divided by VEC, their common alignment in elements: Triton knows only
-    16-divisible arguments, and MobileNet's 72 or 120 channels would otherwise read 2 bytes at a time."""
+    The input's pixel strides come divided by VEC, their common alignment in elements, and the output's pixel
+    strides divided by KV, which also divides the channel count KO: Triton knows only 16-divisible arguments, and
+    MobileNet's 72 or 120 channels would otherwise read and write 2 bytes at a time. For the same reason the
+    channel mask compares channel groups of KV (`offs_k // KV < KO // KV`, codegen's Family.col_vec)."""
     pid = tl.program_id(0)
     tiles_w = cdiv(OW, BW)
     tiles_hw = cdiv(OH, BH) * tiles_w
@@ -174,7 +178,7 @@ def conv2d_depthwise_mainloop(x, w, NB, H, W, C, KO, OH, OW, R, MULT,
     oh0 = (tile_m % tiles_hw) // tiles_w * BH
     ow0 = (tile_m % tiles_w) * BW
     offs_k = (pid // tiles_m) * BN + tl.arange(0, BN)
-    k_ok = offs_k < KO
+    k_ok = offs_k // KV < KO // KV  # offs_k < KO, in whole vectors of KV channels
     x_cols = (offs_k // MULT) * s_xc
     w_cols = w + offs_k * s_wk
     if WS > 0:
@@ -194,7 +198,7 @@ def conv2d_depthwise_mainloop(x, w, NB, H, W, C, KO, OH, OW, R, MULT,
                        s_xw, s_wr, s_ws, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, BM, BN, S, VEC)
     row_ok = (oh < OH) & (ow < OW)
     p_i = oh * OW + ow
-    out_rows = n_i * s_on + oh * s_oh + ow * s_ow
+    out_rows = (n_i * s_on + oh * s_oh + ow * s_ow) * KV
     return acc, pid, 0, n_i, p_i, row_ok, out_rows, offs_k, tile_m
 
 
@@ -203,8 +207,8 @@ FAMILY = Family(
     args=("x", "w", "NB", "H", "W", "C", "KO", "OH", "OW", "R", "MULT",
           "s_xn", "s_xc", "s_xh", "s_xw", "s_wk", "s_wr", "s_ws", "s_on", "s_oh", "s_ow",
           "stride_h", "stride_w", "pad_h", "pad_w", "dil_h", "dil_w"),
-    constexprs=("BM", "BN", "BH", "BW", "S", "VEC", "WS", "SPLIT_K"),
-    n_cols="KO", s_out_c="s_ok",
+    constexprs=("BM", "BN", "BH", "BW", "S", "VEC", "WS", "KV", "SPLIT_K"),
+    n_cols="KO", s_out_c="s_ok", col_vec="KV",
 )
 
 

@@ -258,11 +258,12 @@ def _depthwise_plan(x, w, operands, signature, stride, padding, dilation, out, c
     tiles = nb * triton.cdiv(oh, cfg.block_h) * triton.cdiv(ow, cfg.block_w) * triton.cdiv(ko, cfg.block_n)
     s_on, s_ok, s_oh, s_ow = out.stride()
     s_wk, _, s_wr, s_ws = w.stride()
-    vec = pixel_alignment(x)
+    vec, kv = pixel_alignment(x), pixel_alignment(out, ko)
     s_xn, s_xc, s_xh, s_xw = x.stride()
     head = [nb, h, wd, c, ko, oh, ow, r, ko // c, s_xn // vec, s_xc, s_xh // vec, s_xw // vec, s_wk, s_wr, s_ws,
-            s_on, s_oh, s_ow, stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1], s_ok]
-    meta = dict(BM=cfg.block_m, BN=cfg.block_n, BH=cfg.block_h, BW=cfg.block_w, S=s, VEC=vec, WS=cfg.strip,
+            s_on // kv, s_oh // kv, s_ow // kv, stride[0], stride[1], padding[0], padding[1], dilation[0],
+            dilation[1], s_ok]
+    meta = dict(BM=cfg.block_m, BN=cfg.block_n, BH=cfg.block_h, BW=cfg.block_w, S=s, VEC=vec, WS=cfg.strip, KV=kv,
                 SPLIT_K=1, num_warps=cfg.num_warps)
     return Plan(codegen.load(DEPTHWISE_FAMILY, signature), (tiles, 1, 1), head,
                 operand_strides(signature, operands, out.shape, 1), meta, (tiles, 1, cfg.block_m, cfg.block_n),

@@ -139,3 +139,21 @@ def test_strip_mainloop(data, dtype, c, mult, h, w_, r, s, stride_h, dil_h, pad,
     acc = F.conv2d(x.double(), w.double(), None, stride, padding, dilation, groups=c)
     assert_close(epi.rows3(out, out.shape, 1), reference(acc, tree, operands, 1), dtype)
     check_aux(aux, acc, tree, operands, 1, dtype)
+
+
+@pytest.mark.parametrize("channels, layout, kv", [(40, torch.channels_last, 8), (20, torch.channels_last, 4),
+                                                  (17, torch.channels_last, 1), (40, torch.contiguous_format, 1)])
+def test_channel_vectors_follow_the_channel_count_and_the_output_strides(channels, layout, kv):
+    """KV, the channel vector of the mask and of the output's pixel strides: the largest of 8, 4, 2, 1 that divides
+    the channel count and the output's sample, row and column strides (NCHW's column stride is 1); the result is
+    the same whichever it is, over channel blocks that end past the last channel (BN = 32)."""
+    x = torch.randn(2, channels, 6, 7).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(channels, 1, 3, 3)
+    bias = torch.randn(channels)
+    launch._PLANS.clear()
+    out = depthwise(x, w, (1, 1), (1, 1), (1, 1), epi.parse("relu(add(acc,c0))"), [bias],
+                    DepthwiseConfig(2, 8, 32, 2, strip=8), layout)
+    (plan,) = launch._PLANS.values()
+    assert plan.meta["KV"] == kv
+    ref = torch.relu(F.conv2d(x.double(), w.double(), bias.double(), padding=1, groups=channels))
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
