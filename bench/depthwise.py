@@ -1,8 +1,8 @@
 """GPU benchmark of the depthwise conv kernel against cuDNN, on the zoo's depthwise shapes (fp16, channels_last).
 
 Entry point: `python bench/depthwise.py [--batches 1,256] [--cases SUBSTR,...] [--strips] [--scalar-channels]
-[--out DIR]`, on a GPU machine. For each case it checks every config of the fast level (and with --strips the strip mainloop's tiles,
-STRIPS) against an fp32 reference, then times (CUDA-graph replays, the tuner's `_bench`): our kernel with the
+[--out DIR]`, on a GPU machine. For each case it checks every config of the fast level (and with --strips the
+strip mainloop's tiles, STRIPS) against an fp32 reference, then times (CUDA-graph replays, the tuner's `_bench`): our kernel with the
 case's epilogue, at its best config and at the heuristic default; cuDNN's conv alone; cuDNN's conv followed by
 the same epilogue in our generated kernel (the "aten+epilogue" provider, what ran before this kernel existed);
 and the memory floor (input + weights + output at the measured copy bandwidth). The table prints last; rows go
@@ -46,7 +46,11 @@ CASES = [  # ConvNeXt-T's four stages (7x7 + bias), then MobileNetV3-L's and Eff
     Case("convnext s3 7x7 384", 384, 7, 14, 1, BIAS),
     Case("convnext s4 7x7 768", 768, 7, 7, 1, BIAS),
     Case("mbv3 3x3 64 s2 relu", 64, 3, 112, 2, BN_ACT.format(act="relu")),
+    Case("mbv3 3x3 72 relu", 72, 3, 56, 1, BN_ACT.format(act="relu")),
+    Case("mbv3 5x5 72 s2 relu", 72, 5, 56, 2, BN_ACT.format(act="relu")),
     Case("mbv3 5x5 120 hswish", 120, 5, 28, 1, BN_ACT.format(act="hardswish")),
+    Case("mbv3 3x3 200 hswish", 200, 3, 14, 1, BN_ACT.format(act="hardswish")),
+    Case("mbv3 3x3 184 hswish", 184, 3, 14, 1, BN_ACT.format(act="hardswish")),
     Case("mbv3 3x3 480 hswish", 480, 3, 14, 1, BN_ACT.format(act="hardswish")),
     Case("effnet 3x3 96 s2 silu", 96, 3, 112, 2, BN_ACT.format(act="silu")),
     Case("effnet 5x5 240 silu", 240, 5, 28, 1, BN_ACT.format(act="silu")),
