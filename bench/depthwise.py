@@ -2,11 +2,11 @@
 
 Entry point: `python bench/depthwise.py [--batches 1,256] [--cases SUBSTR,...] [--strips] [--scalar-channels]
 [--out DIR]`, on a GPU machine. For each case it checks every config of the fast level (and with --strips the
-strip mainloop's tiles, STRIPS) against an fp32 reference, then times (CUDA-graph replays, the tuner's `_bench`): our kernel with the
-case's epilogue, at its best config and at the heuristic default; cuDNN's conv alone; cuDNN's conv followed by
-the same epilogue in our generated kernel (the "aten+epilogue" provider, what ran before this kernel existed);
-and the memory floor (input + weights + output at the measured copy bandwidth). The table prints last; rows go
-to DIR/depthwise.json.
+strip mainloop's tiles, STRIPS) against an fp32 reference, then times (CUDA-graph replays, the tuner's
+`_bench`): our kernel with the case's epilogue, at its best config and at the heuristic default; cuDNN's conv
+alone; cuDNN's conv followed by the same epilogue in our generated kernel (the "aten+epilogue" provider, what ran
+before this kernel existed); and the memory floor (input + weights + output at the measured copy bandwidth). The
+table prints last; rows go to DIR/depthwise.json.
 """
 from __future__ import annotations
 
