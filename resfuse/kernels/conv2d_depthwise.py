@@ -33,7 +33,8 @@ from .tiles import cdiv
 
 def pixel_alignment(x: torch.Tensor, *more: int) -> int:
     """The largest of 8, 4, 2, 1 elements that divides the sample, row and column strides of x (an [N, C, H, W]
-    tensor), and the numbers in `more`: the input's VEC, or with the channel count the output's KV."""
+    tensor) and every number in `more`: pixel_alignment(x) is the input's VEC, pixel_alignment(out, channels) the
+    output's KV."""
     s_n, _, s_h, s_w = x.stride()
     return next(v for v in (8, 4, 2, 1) if all(k % v == 0 for k in (s_n, s_h, s_w, *more)))
 

@@ -156,8 +156,8 @@ def _tma_plan(as_matrices, inputs, operands, signature, out, channel_dim, cfg, s
     row = s_om if rps > 1 else s_os if m > 1 else n  # one row: any stride would do
     smem = cfg.num_stages * (bm + bn) * bk * a.element_size() + len(boxes) * bm * bn * 2
     out_box = descriptor_output(out, m, n, row, [bm, bn], smem) if cfg.tma_store and merged and split == 1 else None
-    kernel = PERSISTENT_FAMILY if cfg.persistent and split == 1 else GEMM_TMA_FAMILY
-    kernel = codegen.load(kernel, signature, slots, out_box is not None)
+    family = PERSISTENT_FAMILY if cfg.persistent and split == 1 else GEMM_TMA_FAMILY
+    kernel = codegen.load(family, signature, slots, out_box is not None)
     if cfg.persistent and split == 1:
         programs = min(tiles_mn, cfg.persistent * sm_count(a.device))
         return Plan(kernel, (programs, 1, 1), [m, n, k, rps, s_os, s_om, tiles_mn, s_on], strides, meta,
