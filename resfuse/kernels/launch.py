@@ -258,7 +258,10 @@ def _depthwise_plan(x, w, operands, signature, stride, padding, dilation, out, c
     tiles = nb * triton.cdiv(oh, cfg.block_h) * triton.cdiv(ow, cfg.block_w) * triton.cdiv(ko, cfg.block_n)
     s_on, s_ok, s_oh, s_ow = out.stride()
     s_wk, _, s_wr, s_ws = w.stride()
-    vec, kv = pixel_alignment(x), pixel_alignment(out, ko)
+    vec = pixel_alignment(x)
+    # channel vectors where Triton's own specialisation (16-divisible arguments) does not already give them: a
+    # 16-divisible channel count and output keep KV = 1, the code measured before channel vectors existed
+    kv = 1 if all(v % 16 == 0 for v in (ko, s_on, s_oh, s_ow)) else pixel_alignment(out, ko)
     s_xn, s_xc, s_xh, s_xw = x.stride()
     head = [nb, h, wd, c, ko, oh, ow, r, ko // c, s_xn // vec, s_xc, s_xh // vec, s_xw // vec, s_wk, s_wr, s_ws,
             s_on // kv, s_oh // kv, s_ow // kv, stride[0], stride[1], padding[0], padding[1], dilation[0],

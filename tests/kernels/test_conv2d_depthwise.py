@@ -142,11 +142,13 @@ def test_strip_mainloop(data, dtype, c, mult, h, w_, r, s, stride_h, dil_h, pad,
 
 
 @pytest.mark.parametrize("channels, layout, kv", [(40, torch.channels_last, 8), (20, torch.channels_last, 4),
-                                                  (17, torch.channels_last, 1), (40, torch.contiguous_format, 1)])
+                                                  (17, torch.channels_last, 1), (40, torch.contiguous_format, 1),
+                                                  (64, torch.channels_last, 1)])
 def test_channel_vectors_follow_the_channel_count_and_the_output_strides(channels, layout, kv):
     """KV, the channel vector of the mask and of the output's pixel strides: the largest of 8, 4, 2, 1 that divides
-    the channel count and the output's sample, row and column strides (NCHW's column stride is 1); the result is
-    the same whichever it is, over channel blocks that end past the last channel (BN = 32)."""
+    the channel count and the output's sample, row and column strides (NCHW's column stride is 1), or 1 where
+    they are all 16-divisible (Triton vectorises those itself); the result is the same whichever it is, over
+    channel blocks that end past the last channel (BN = 32)."""
     x = torch.randn(2, channels, 6, 7).contiguous(memory_format=torch.channels_last)
     w = torch.randn(channels, 1, 3, 3)
     bias = torch.randn(channels)
