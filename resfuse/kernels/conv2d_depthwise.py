@@ -31,12 +31,10 @@ from .conv2d_fprop import ConvProblem
 from .tiles import cdiv
 
 
-def pixel_alignment(x: torch.Tensor, *more: int) -> int:
-    """The largest of 8, 4, 2, 1 elements that divides the sample, row and column strides of x (an [N, C, H, W]
-    tensor) and every number in `more`: pixel_alignment(x) is the input's VEC, pixel_alignment(out, channels) the
-    output's KV."""
+def pixel_alignment(x: torch.Tensor) -> int:
+    """The largest of 8, 4, 2, 1 elements that divides the input's sample, row and column strides (VEC)."""
     s_n, _, s_h, s_w = x.stride()
-    return next(v for v in (8, 4, 2, 1) if all(k % v == 0 for k in (s_n, s_h, s_w, *more)))
+    return next(v for v in (8, 4, 2, 1) if s_n % v == s_h % v == s_w % v == 0)
 
 
 def is_depthwise(x_shape: Sequence[int], w_shape: Sequence[int]) -> bool:

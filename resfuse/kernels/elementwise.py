@@ -21,8 +21,11 @@ from .tiles import cdiv
 
 @triton.jit
 def ewise_mainloop(src, M, N, RPS, s_ss, s_sp, s_sc, s_os, s_op,
-                   BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Load one [BM, BN] tile of the [S, P, C] source as the fp32 accumulator; rows run over S * P, last first."""
+                   BM: tl.constexpr, BN: tl.constexpr, KV: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Load one [BM, BN] tile of the [S, P, C] source as the fp32 accumulator; rows run over S * P, last first.
+    The source's and output's sample and row strides come divided by KV, which also divides N, and the channel
+    mask compares whole vectors of KV channels (codegen's Family.col_vec): Triton knows only 16-divisible
+    arguments, and 72 or 120 channels would otherwise load and store 2 bytes at a time."""
     pid = tl.program_id(0)
     tiles_n = cdiv(N, BN)
     tile_m = cdiv(M, BM) - 1 - pid // tiles_n
@@ -31,9 +34,9 @@ def ewise_mainloop(src, M, N, RPS, s_ss, s_sp, s_sc, s_os, s_op,
     s_idx = offs_m // RPS
     p_idx = offs_m % RPS
     row_ok = offs_m < M
-    ok = row_ok[:, None] & (offs_n < N)[None, :]
-    acc = tl.load(src + (s_idx * s_ss + p_idx * s_sp)[:, None] + offs_n[None, :] * s_sc, mask=ok, other=0.0)
-    return acc.to(tl.float32), pid, 0, s_idx, p_idx, row_ok, s_idx * s_os + p_idx * s_op, offs_n, tile_m
+    ok = row_ok[:, None] & (offs_n // KV < N // KV)[None, :]
+    acc = tl.load(src + ((s_idx * s_ss + p_idx * s_sp) * KV)[:, None] + offs_n[None, :] * s_sc, mask=ok, other=0.0)
+    return acc.to(tl.float32), pid, 0, s_idx, p_idx, row_ok, (s_idx * s_os + p_idx * s_op) * KV, offs_n, tile_m
 
 
 @triton.jit
@@ -46,9 +49,19 @@ def ewise_origin(tile, M, N, BM: tl.constexpr, BN: tl.constexpr):
 FAMILY = Family(
     name="ewise", module=__name__, mainloop="ewise_mainloop",
     args=("src", "M", "N", "RPS", "s_ss", "s_sp", "s_sc", "s_os", "s_op"),
-    constexprs=("BM", "BN", "SPLIT_K"),
-    n_cols="N", s_out_c="s_oc", origin="ewise_origin(tile, M, N, BM, BN)",
+    constexprs=("BM", "BN", "KV", "SPLIT_K"),
+    n_cols="N", s_out_c="s_oc", origin="ewise_origin(tile, M, N, BM, BN)", col_vec="KV",
 )
+
+
+def channel_vector(channels: int, *strides: int) -> int:
+    """KV for a channel count and the row strides that a kernel's loads and stores along the channels use: 1 where
+    all are 16-divisible (Triton's own specialisation vectorises those), else the largest of 8, 4, 2, 1 dividing
+    them all. Shared with the depthwise conv (launch.py)."""
+    values = (channels, *strides)
+    if all(v % 16 == 0 for v in values):
+        return 1
+    return next(v for v in (8, 4, 2, 1) if all(k % v == 0 for k in values))
 
 
 @dataclasses.dataclass(frozen=True)

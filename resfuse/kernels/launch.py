@@ -22,7 +22,7 @@ from . import codegen, options
 from .plan import _PLANS, Plan, cached_launch, check_outputs, descriptor_operands, descriptor_output  # noqa: F401
 from .plan import operand_strides, pdl_meta  # noqa: F401
 from .plan import plan_key, sm_count  # noqa: F401  (tests and bench scripts reach them through launch)
-from .elementwise import FAMILY as EWISE_FAMILY, default_config as ewise_config
+from .elementwise import FAMILY as EWISE_FAMILY, channel_vector, default_config as ewise_config
 from .conv2d_bwd_data import FAMILY as DGRAD_FAMILY, DgradConfig, DgradProblem, tap_inverse
 from .conv2d_bwd_data import default_config as dgrad_config
 from .conv2d_fprop import FAMILY as CONV_FAMILY, TMA_FAMILY as CONV_TMA_FAMILY, ConvConfig, ConvProblem, tma_box
@@ -258,10 +258,7 @@ def _depthwise_plan(x, w, operands, signature, stride, padding, dilation, out, c
     tiles = nb * triton.cdiv(oh, cfg.block_h) * triton.cdiv(ow, cfg.block_w) * triton.cdiv(ko, cfg.block_n)
     s_on, s_ok, s_oh, s_ow = out.stride()
     s_wk, _, s_wr, s_ws = w.stride()
-    vec = pixel_alignment(x)
-    # channel vectors where Triton's own specialisation (16-divisible arguments) does not already give them: a
-    # 16-divisible channel count and output keep KV = 1, the code measured before channel vectors existed
-    kv = 1 if all(v % 16 == 0 for v in (ko, s_on, s_oh, s_ow)) else pixel_alignment(out, ko)
+    vec, kv = pixel_alignment(x), channel_vector(ko, s_on, s_oh, s_ow)
     s_xn, s_xc, s_xh, s_xw = x.stride()
     head = [nb, h, wd, c, ko, oh, ow, r, ko // c, s_xn // vec, s_xc, s_xh // vec, s_xw // vec, s_wk, s_wr, s_ws,
             s_on // kv, s_oh // kv, s_ow // kv, stride[0], stride[1], padding[0], padding[1], dilation[0],
@@ -381,8 +378,10 @@ def _ewise_plan(acc, operands, signature, out, channel_dim) -> Plan | None:
     s, p, c = out3.shape
     cfg = ewise_config(c, epi.stats_node(epi.parse(signature)) is not None)
     tiles = triton.cdiv(s * p, cfg.block_m) * triton.cdiv(c, cfg.block_n)
-    head = [s * p, c, p, *acc3.stride(), out3.stride(0), out3.stride(1), out3.stride(2)]
-    meta = dict(BM=cfg.block_m, BN=cfg.block_n, SPLIT_K=1, num_warps=cfg.num_warps)
+    (a_s, a_p, a_c), (o_s, o_p, o_c) = acc3.stride(), out3.stride()
+    kv = channel_vector(c, a_s, a_p, o_s, o_p)
+    head = [s * p, c, p, a_s // kv, a_p // kv, a_c, o_s // kv, o_p // kv, o_c]
+    meta = dict(BM=cfg.block_m, BN=cfg.block_n, KV=kv, SPLIT_K=1, num_warps=cfg.num_warps)
     boxes = descriptor_operands(signature, operands, out.shape, channel_dim, s * p, c, [cfg.block_m, cfg.block_n])
     return Plan(codegen.load(EWISE_FAMILY, signature, tuple(sorted(boxes))), (tiles, 1, 1), head,
                 operand_strides(signature, operands, out.shape, channel_dim), meta, (tiles, 1, cfg.block_m, cfg.block_n),

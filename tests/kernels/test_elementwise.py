@@ -30,3 +30,20 @@ def test_epilogue_kernel(data, dtype, n, c, hw, conv, in_place):
     launch.epilogue(acc, operands, str(tree), out, cdim)
     assert ("ewise", codegen.variant(str(tree), descriptor_slots(tree, operands, shape, cdim, 1))) in codegen._LOADED
     assert_close(epi.rows3(out, out.shape, cdim), reference(acc64, tree, operands, cdim), dtype)
+
+
+def test_channel_vectors_only_where_triton_cannot_see_the_alignment():
+    """KV: 1 where the channel count and the row strides are 16-divisible, else the largest of 8, 4, 2, 1 that
+    divides them all; the pass is exact either way, over channel blocks that end past the last channel."""
+    from resfuse.kernels.elementwise import channel_vector
+    assert [channel_vector(*v) for v in [(64, 64, 4096), (72, 72, 72 * 49), (20, 20, 20 * 9), (40, 40, 1),
+                                         (17, 17)]] == [1, 8, 4, 1, 1]
+    for c, kv in [(72, 8), (20, 4), (64, 1)]:
+        acc = torch.randn(2, c, 3, 5).contiguous(memory_format=torch.channels_last)
+        bias = torch.randn(c)
+        out = torch.full_like(acc, float("nan"))
+        launch._PLANS.clear()
+        launch.epilogue(acc, [bias], "relu(add(acc,c0))", out, 1)
+        (plan,) = launch._PLANS.values()
+        assert plan.meta["KV"] == kv
+        torch.testing.assert_close(out, torch.relu(acc + bias.view(1, -1, 1, 1)))
