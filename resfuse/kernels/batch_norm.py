@@ -209,9 +209,10 @@ def _finish_stats(mean, m2, offs_c, ok_c, ws, save_mean, save_invstd, w, b, rm, 
 @triton.jit
 def bn_apply_mainloop(src, mean, affine, M, N, RPS, s_ss, s_sp, s_sc, s_os, s_op,
                       BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr):
-    """The elementwise family's tile load, normalized: acc = (x - mean) * scale + shift (codegen's contract)."""
+    """The elementwise family's tile load, normalized: acc = (x - mean) * scale + shift (codegen's contract).
+    Its strides are the tensors' own (channel vector KV = 1)."""
     acc, tile, pid_k, s_idx, p_idx, row_ok, out_rows, offs_c, row_block = ewise_mainloop(
-        src, M, N, RPS, s_ss, s_sp, s_sc, s_os, s_op, BM, BN, SPLIT_K)
+        src, M, N, RPS, s_ss, s_sp, s_sc, s_os, s_op, BM, BN, 1, SPLIT_K)
     ok = offs_c < N
     mu = tl.load(mean + offs_c, mask=ok, other=0.0)
     scale = tl.load(affine + offs_c, mask=ok, other=0.0)
