@@ -70,15 +70,21 @@ def problem(call):
     return matmul.GemmProblem(batch, a.shape[-2], b.shape[-1], a.shape[-1], a.element_size(), sm_count(dev))
 
 
-def _tma_readable(call) -> bool:
+def _tma_gemm(call) -> bool:
+    """The op runs on the GEMM's TMA mainloops: a GEMM, 1x1 conv or 1x1 dgrad whose operands descriptors read."""
     if call.op == "gemm":
         return launch.tma_operands(*call.inputs) is not None
     if call.op == "conv2d_dgrad":
         return launch.dgrad_as_gemm(*call.inputs, *call.params[:2], call.out.strides) is not None
     if call.op == "conv2d":
-        return (launch.conv_as_gemm(*call.inputs, *call.params[:2], call.out.strides) is not None
-                or launch.conv_tma_operands(*call.inputs, call.params[0]) is not None)
+        return launch.conv_as_gemm(*call.inputs, *call.params[:2], call.out.strides) is not None
     return False
+
+
+def _tma_readable(call) -> bool:
+    """A TMA mainloop runs the op: the GEMM's, or for a stride-1 conv the box mainloop (conv2d_tma_mainloop)."""
+    return _tma_gemm(call) or (call.op == "conv2d"
+                               and launch.conv_tma_operands(*call.inputs, call.params[0]) is not None)
 
 
 def bulk_store_twin(call, cfg):
@@ -89,10 +95,7 @@ def bulk_store_twin(call, cfg):
     if (not kernels.options()["tma_store"] or not getattr(cfg, "tma", False) or cfg.split_k != 1
             or call.out.dtype not in (torch.float16, torch.bfloat16)):
         return None
-    plain_gemm = {"gemm": lambda: launch.tma_operands(*call.inputs),
-                  "conv2d": lambda: launch.conv_as_gemm(*call.inputs, *call.params[:2], call.out.strides),
-                  "conv2d_dgrad": lambda: launch.dgrad_as_gemm(*call.inputs, *call.params[:2], call.out.strides)}
-    if call.op not in plain_gemm or plain_gemm[call.op]() is None:
+    if not _tma_gemm(call):
         return None
     twin = dataclasses.replace(cfg, tma_store=True)
     return twin if twin.check(problem(call)) else None
