@@ -67,24 +67,11 @@ def _per_tap(x_rows, x_cols, w_cols, k_ok, oh, ow, row_ok, H, W, R, s_xh, s_xw, 
 
 
 @triton.jit
-def _tap(acc, x, w0, w1, w2, w3, w4, w5, w6, s: tl.constexpr, S: tl.constexpr):
-    """acc + x * w_s: input column x feeds this strip output through tap s, if s is one (0 <= s < S)."""
+def _tap(acc, x, taps, s: tl.constexpr, S: tl.constexpr):
+    """acc + x * taps[s]: input column x feeds this strip output through tap s, if s is one (0 <= s < S); taps is
+    the row's tuple of tap weights, indexed at compile time."""
     if s >= 0 and s < S:
-        if s == 0:
-            wv = w0
-        elif s == 1:
-            wv = w1
-        elif s == 2:
-            wv = w2
-        elif s == 3:
-            wv = w3
-        elif s == 4:
-            wv = w4
-        elif s == 5:
-            wv = w5
-        else:
-            wv = w6
-        acc += x * wv
+        acc += x * taps[s]
     return acc
 
 
@@ -120,27 +107,24 @@ def _strip_taps(x_rows, x_cols, w_cols, k_ok, oh, ow, row_ok, H, W, R, s_xh, s_x
         h_ok = row_ok & (ih >= 0) & (ih < H)
         x_r = x_rows + ih * (s_xh * VEC)
         w_r = w_cols + r * s_wr
-        w0 = _tap_weight(w_r, 0, s_ws, k_ok, S)
-        w1 = _tap_weight(w_r, 1, s_ws, k_ok, S)
-        w2 = _tap_weight(w_r, 2, s_ws, k_ok, S)
-        w3 = _tap_weight(w_r, 3, s_ws, k_ok, S)
-        w4 = _tap_weight(w_r, 4, s_ws, k_ok, S)
-        w5 = _tap_weight(w_r, 5, s_ws, k_ok, S)
-        w6 = _tap_weight(w_r, 6, s_ws, k_ok, S)
+        taps = (_tap_weight(w_r, 0, s_ws, k_ok, S), _tap_weight(w_r, 1, s_ws, k_ok, S),
+                _tap_weight(w_r, 2, s_ws, k_ok, S), _tap_weight(w_r, 3, s_ws, k_ok, S),
+                _tap_weight(w_r, 4, s_ws, k_ok, S), _tap_weight(w_r, 5, s_ws, k_ok, S),
+                _tap_weight(w_r, 6, s_ws, k_ok, S))
         for j in tl.static_range(WS + S - 1):
             iw = iw0 + j
             ok = h_ok & (iw >= 0) & (iw < W)
             xj = tl.load((x_r + iw * (s_xw * VEC))[:, None] + x_cols[None, :], mask=ok[:, None] & k_ok[None, :],
                          other=0.0).to(tl.float32)
-            acc0 = _tap(acc0, xj, w0, w1, w2, w3, w4, w5, w6, j, S)
-            acc1 = _tap(acc1, xj, w0, w1, w2, w3, w4, w5, w6, j - 1, S)
-            acc2 = _tap(acc2, xj, w0, w1, w2, w3, w4, w5, w6, j - 2, S)
-            acc3 = _tap(acc3, xj, w0, w1, w2, w3, w4, w5, w6, j - 3, S)
+            acc0 = _tap(acc0, xj, taps, j, S)
+            acc1 = _tap(acc1, xj, taps, j - 1, S)
+            acc2 = _tap(acc2, xj, taps, j - 2, S)
+            acc3 = _tap(acc3, xj, taps, j - 3, S)
             if WS > 4:
-                acc4 = _tap(acc4, xj, w0, w1, w2, w3, w4, w5, w6, j - 4, S)
-                acc5 = _tap(acc5, xj, w0, w1, w2, w3, w4, w5, w6, j - 5, S)
-                acc6 = _tap(acc6, xj, w0, w1, w2, w3, w4, w5, w6, j - 6, S)
-                acc7 = _tap(acc7, xj, w0, w1, w2, w3, w4, w5, w6, j - 7, S)
+                acc4 = _tap(acc4, xj, taps, j - 4, S)
+                acc5 = _tap(acc5, xj, taps, j - 5, S)
+                acc6 = _tap(acc6, xj, taps, j - 6, S)
+                acc7 = _tap(acc7, xj, taps, j - 7, S)
     # one [WS * BMS, BN] tile whose row i * BMS + j is accumulator i's row j: joined pairwise (the lowest bit of
     # i innermost), the join axes moved in front of the rows, highest bit first
     quad = tl.join(tl.join(acc0, acc1), tl.join(acc2, acc3))
@@ -211,7 +195,7 @@ FAMILY = Family(
 )
 
 
-STRIP_TAPS = 7  # the most taps a row that _strip_taps takes: it holds a row's weights in w0..w6
+STRIP_TAPS = 7  # the most taps a row that _strip_taps takes: a row's weights are a tuple of 7
 
 
 def strip_applies(p: ConvProblem) -> bool:
