@@ -59,25 +59,35 @@ def best(timed, persistent: bool):
     return min(rows, key=lambda r: r[1]) if rows else (None, float("nan"))
 
 
-def gemm_case(case):
-    """(name, K, ours(cfg), fp32 reference, out, eager, alone, minimal bytes, flops) for a Linear-layer GEMM."""
+def gemm_tensors(case) -> dict:
+    """A Linear-layer GEMM case's inputs (a [M, K], wt nn.Linear's [N, K] weight, bias, res), its epilogue operands
+    `ops`, its output `out` and the fp32 reference `ref` (both as [1, M, N] rows)."""
     name, m, n, k, sig = case
     a = torch.randn(m, k, device="cuda", dtype=torch.float16)
-    wt = torch.randn(n, k, device="cuda", dtype=torch.float16) / k**0.5  # nn.Linear's [N, K] weight
+    wt = torch.randn(n, k, device="cuda", dtype=torch.float16) / k**0.5
     bias = torch.randn(n, device="cuda", dtype=torch.float16)
     res = torch.randn(m, n, device="cuda", dtype=torch.float16)
     ops = [bias, res][: 2 if "full1" in sig else 1 if "c0" in sig else 0]
     out = torch.empty(m, n, device="cuda", dtype=torch.float16)
     ref = epi.reference(epi.parse(sig), epi.rows3(a.float() @ wt.t().float(), (m, n), -1),
                         [epi.rows3(t.float(), (m, n), -1) for t in ops])
+    return dict(a=a, wt=wt, bias=bias, res=res, ops=ops, out=out, ref=ref)
+
+
+def gemm_case(case, t: dict | None = None):
+    """(name, K, ours(cfg), fp32 reference, out, eager, alone, minimal bytes, flops) for a Linear-layer GEMM, on
+    gemm_tensors(case) or the given ones."""
+    name, m, n, k, sig = case
+    t = t or gemm_tensors(case)
+    a, wt, bias, res, out = t["a"], t["wt"], t["bias"], t["res"], t["out"]
 
     def eager():
         y = F.linear(a, wt, bias)
         return F.gelu(y) if "gelu" in sig else y + res
 
     nbytes = (a.numel() + wt.numel() + out.numel() * (2 if "full1" in sig else 1)) * 2
-    return (name, k, lambda cfg: kernels.gemm(a, wt.t(), ops, sig, out, cfg), epi.rows3(out, out.shape, -1), ref,
-            eager, lambda: torch.mm(a, wt.t()), nbytes, 2 * m * n * k)
+    return (name, k, lambda cfg: kernels.gemm(a, wt.t(), t["ops"], sig, out, cfg), epi.rows3(out, out.shape, -1),
+            t["ref"], eager, lambda: torch.mm(a, wt.t()), nbytes, 2 * m * n * k)
 
 
 def conv_case(case):
