@@ -71,6 +71,9 @@ class Config:
     ("Let the tuner try writing the outputs of the GEMM's TMA kernels (linear layers, 1x1 convs and their data "
      "gradients, fp16/bf16) by bulk tensor-descriptor stores, beside per-thread stores, on Hopper and later; it keeps "
      "the faster (env RESFUSE_TMA_STORE=0 turns them off, cached choices included).")
+    compile_workers: int | None = None
+    ("Processes that compile the tuner's Triton candidates ahead of their first launch (tuning/precompile.py): "
+     "None, up to 16 (one a CPU core); 0 compiles them on threads only (env RESFUSE_COMPILE_WORKERS).")
     split_k: int | None = None
     "Force a split-K factor for every GEMM/conv kernel; None lets the heuristic choose."
     cache_dir: str = dataclasses.field(default_factory=_default_cache_dir)
@@ -104,6 +107,8 @@ class Config:
             env["pdl"] = False
         if os.environ.get("RESFUSE_TMA_STORE", "") == "0":
             env["tma_store"] = False
+        if os.environ.get("RESFUSE_COMPILE_WORKERS"):
+            env["compile_workers"] = int(os.environ["RESFUSE_COMPILE_WORKERS"])
         if os.environ.get("RESFUSE_DUMP"):
             env["debug_dump"] = os.environ["RESFUSE_DUMP"]
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}

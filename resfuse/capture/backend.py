@@ -144,7 +144,7 @@ def make_backend(config: Config, report: Report, run_graph: bool = True):
     # The interpreter is a process-wide Triton mode: a config can turn it on, never off again. Without it,
     # fused ops on CPU tensors take the reference path (PassContext.provider_for).
     kernels.set_options(cache_dir=config.cache_dir, split_k=config.split_k, pdl=config.pdl,
-                        tma_store=config.tma_store)
+                        tma_store=config.tma_store, compile_workers=config.compile_workers)
     if config.interpret:
         kernels.set_options(interpret=True)
     if kernels.triton_installed():

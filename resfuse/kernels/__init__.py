@@ -17,7 +17,7 @@ Entry points, called by ops/fused.py:
   max_pool2d(...), max_pool2d_backward(...)          max pooling and its gradient (max_pool.py)
   max_pool2d_epilogue(...)                          max pooling of a monotone epilogue's value (max_pool.py)
   pad_channels(x, out) -> out                       x's channels zero-padded to out's, cast (padding.py)
-  set_options(interpret=..., cache_dir=..., split_k=..., pdl=..., tma_store=...)
+  set_options(interpret=..., cache_dir=..., split_k=..., pdl=..., tma_store=..., compile_workers=...)
                                                     process-wide, set by resfuse.compile
 
 Triton decides at decoration time whether a kernel is compiled or interpreted, so the interpreter switch is
@@ -36,7 +36,7 @@ WINDOW_NOT_POSITIVE = 64
 
 # Triton's own switch (set by a test harness, or by set_options) tells the mode kernels get built in.
 _OPTIONS = {"interpret": os.environ.get("TRITON_INTERPRET", "0") == "1", "cache_dir": None, "split_k": None,
-            "pdl": True, "tma_store": True}
+            "pdl": True, "tma_store": True, "compile_workers": None}
 
 
 def set_options(**options) -> None:

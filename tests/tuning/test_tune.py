@@ -191,15 +191,17 @@ def test_report_says_when_aten_was_not_measured():
 
 
 def test_triton_candidates_are_built_together_and_failures_left_to_select(monkeypatch):
-    """compile_in_parallel launches every Triton candidate (with and without its epilogue, and its variants) from a
-    thread pool before stage 1; a candidate that fails is ignored there, other providers are not touched."""
+    """compile_in_parallel hands every Triton candidate's callables (with and without its epilogue, and its variants)
+    to the compile workers, then launches each from a thread pool before stage 1; a candidate that fails is ignored
+    there, other providers are not touched."""
     import threading
 
     from resfuse.tuning.select import Candidate
 
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    ran, lock = [], threading.Lock()
+    ran, lock, precompiled = [], threading.Lock(), []
+    monkeypatch.setattr(ch.precompile, "precompile", precompiled.append)  # the worker processes' part
 
     def job(name, fail=False):
         def fn():
@@ -215,6 +217,7 @@ def test_triton_candidates_are_built_together_and_failures_left_to_select(monkey
     ch.compile_in_parallel(cands, torch.device("cuda"))
     assert sorted(n for n, _ in ran) == sorted([f"run{i}" for i in range(3)] + [f"bare{i}" for i in range(3)]
                                                + ["bulk2"])  # a variant is built too
+    assert len(precompiled) == 1 and len(precompiled[0]) == 7  # the same jobs, handed to the workers first
     assert all(t != threading.main_thread().name for _, t in ran)
     ran.clear()
     ch.compile_in_parallel(cands, torch.device("cpu"))  # the interpreter: nothing to build, not thread-safe

@@ -1,0 +1,107 @@
+"""precompile.py without a GPU: a real generated kernel recorded as the jit hook would see it, compiled for sm_90 by a
+real worker process into a fresh Triton cache, then found there by the parent's own compile of the same
+specialisation (no new cache entry). The parent side runs in a child process: this test session's Triton is in
+interpreter mode, whose kernels cannot be compiled."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from resfuse import kernels
+from resfuse.tuning import precompile
+
+PARENT = textwrap.dedent('''
+    import os, sys
+    os.environ["TRITON_INTERPRET"] = "0"
+    os.environ["TRITON_CACHE_DIR"] = sys.argv[1]
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    import json
+    from resfuse import kernels
+    from resfuse.kernels import codegen
+    from resfuse.kernels.elementwise import FAMILY
+    from resfuse.tuning import precompile
+
+    kernels.set_options(cache_dir=sys.argv[2])
+    kernel = codegen.load(FAMILY, "relu(add(acc,c0))")  # a generated module, imported by path
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(kernel.arg_names):  # as Triton specialises a launch: 16-divisible ints marked
+        if name in ("BM", "BN", "SPLIT_K", "PDL", "KV"):
+            sig[name], consts[(i,)] = "constexpr", {"BM": 64, "BN": 64, "SPLIT_K": 1, "PDL": False, "KV": 8}[name]
+        elif name in ("out", "src", "op0", "ws", "tickets"):
+            sig[name] = {"ws": "*fp32", "tickets": "*i32"}.get(name, "*fp16")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("s_sc", "s_oc", "op_sc0"):
+            sig[name], consts[(i,)] = "constexpr", 1
+        else:
+            sig[name] = "i32"
+    target = GPUTarget("cuda", 90, 32)
+    options = make_backend(target).parse_options({"num_warps": 4})
+    data = json.dumps({"options": options.__dict__})  # the part of the hook's specialization_data _spec reads
+    spec = precompile._spec(kernel, {"signature": sig, "constants": consts, "configs": [attrs],
+                                     "specialization_data": data})
+    assert spec is not None and spec["module"].startswith("resfuse_generated."), spec
+
+    def make():
+        @triton.jit
+        def local(x):  # defined in a function, not reachable from its module: no spec
+            pass
+        return local
+    assert precompile._spec(make(), {}) is None
+
+    worker = precompile._Worker()
+    try:
+        assert worker.ask(dict(spec, target=target)) is True
+        wrong = dict(spec, target=target, name="no_such_kernel")
+        assert worker.ask(wrong) is False  # reported on stderr, the worker lives on
+        before = set(os.listdir(sys.argv[1]))
+        assert before, "the worker wrote nothing to the cache"
+        compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=target, options=options.__dict__)
+        assert compiled.asm["cubin"]
+        assert set(os.listdir(sys.argv[1])) == before, "the parent compiled again: the cache keys differ"
+    finally:
+        worker.close()
+    print("ok")
+''')
+
+
+def test_worker_compiles_what_the_parent_then_finds(tmp_path):
+    triton_cache, resfuse_cache = tmp_path / "triton", tmp_path / "resfuse"
+    triton_cache.mkdir()
+    script = tmp_path / "parent.py"  # a file: Triton reads a @jit function's source from it
+    script.write_text(PARENT)
+    done = subprocess.run([sys.executable, str(script), str(triton_cache), str(resfuse_cache)],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p)))
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr[-3000:]
+
+
+def test_switched_off_or_broken_records_nothing(monkeypatch):
+    """compile_workers=0, or a pool that broke earlier in the process: no dry run (the callables never run)."""
+    ran = []
+    monkeypatch.setitem(precompile._POOL, "broken", False)
+    kernels.set_options(compile_workers=0)
+    try:
+        assert precompile.precompile([lambda: ran.append(1)]) == 0
+    finally:
+        kernels.set_options(compile_workers=None)
+    monkeypatch.setitem(precompile._POOL, "broken", True)
+    assert precompile.precompile([lambda: ran.append(1)]) == 0
+    assert ran == []
+
+
+def test_options_back_to_tuples():
+    assert precompile._tuples({"extern_libs": [["libdevice", "/p"]], "n": 4}) == {
+        "extern_libs": (("libdevice", "/p"),), "n": 4}
+
+
+@pytest.mark.parametrize("n, want", [(None, min(16, os.cpu_count() or 1)), (0, 0), (3, 3)])
+def test_workers_wanted(n, want):
+    kernels.set_options(compile_workers=n)
+    try:
+        assert precompile.workers_wanted() == want
+    finally:
+        kernels.set_options(compile_workers=None)
