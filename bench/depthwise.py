@@ -5,7 +5,10 @@ Entry point: `python bench/depthwise.py [--batches 1,256] [--cases SUBSTR,...] [
 strip mainloop's tiles, STRIPS) against an fp32 reference, then times (CUDA-graph replays, the tuner's
 `_bench`): our kernel with the case's epilogue, at its best config and at the heuristic default; cuDNN's conv
 alone; cuDNN's conv followed by the same epilogue in our generated kernel (the "aten+epilogue" provider, what ran
-before this kernel existed); and the memory floor (input + weights + output at the measured copy bandwidth). The
+before this kernel existed); and the memory floor (input + weights + output at the measured copy bandwidth). With
+--cudnn-graph, also the cuDNN provider's fused graph (the batch norm folded into the weight) on the grouped conv,
+which the provider refuses today (`providers/cudnn.py` builds its graphs for groups=1): each of its engine
+configs is checked against the reference and the best one timed, or the reason cuDNN gave is printed. The
 table prints last; rows go to DIR/depthwise.json.
 """
 from __future__ import annotations
@@ -81,7 +84,28 @@ STRIPS = [(8, 32, 32, 4, 8), (4, 32, 32, 2, 8), (8, 16, 32, 2, 8), (4, 16, 32, 2
           (4, 16, 32, 2, 4), (8, 8, 64, 2, 8)]
 
 
-def measure(case: Case, batch: int, copy_bw: float, dtype=torch.float16, strips: bool = False) -> dict:
+def cudnn_graph(x, w, ops, case: Case, stride, pad, ref) -> tuple[float, float, str]:
+    """(best us, its error, its engine) of the cuDNN provider's candidates for this grouped conv, or nan and why."""
+    from resfuse.ops.fused import Output
+    from resfuse.providers import cudnn
+    from resfuse.tuning.choose import Call
+
+    out = Output.of(ref.shape, x.dtype, x.device, torch.channels_last)
+    call = Call("conv2d", (x, w), ops, case.signature, (stride, pad, [1, 1]), out)
+    found = []
+    for cand in cudnn.candidates(call, "fast"):
+        try:
+            y = cand.run()
+            err = ((y.float() - ref).norm() / ref.norm()).item()
+            found.append((_bench(cand.run) * 1e6, err, cand.name))
+        except Exception as e:  # noqa: BLE001  an engine config that does not build is skipped
+            print(f"  {case.name}: {cand.name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    ok = [f for f in found if f[1] < 5e-3]
+    return min(ok) if ok else (float("nan"), min((f[1] for f in found), default=float("nan")), "none")
+
+
+def measure(case: Case, batch: int, copy_bw: float, dtype=torch.float16, strips: bool = False,
+            graph: bool = False) -> dict:
     x = torch.randn(batch, case.c, case.hw, case.hw, device="cuda", dtype=dtype).contiguous(
         memory_format=torch.channels_last)
     w = (torch.randn(case.c, 1, case.r, case.r, device="cuda", dtype=dtype) / case.r).contiguous(
@@ -122,6 +146,9 @@ def measure(case: Case, batch: int, copy_bw: float, dtype=torch.float16, strips:
     row = dict(case=case.name, batch=batch, signature=case.signature, max_rel_err=max(errors.values()),
                ours_us=times[best] * 1e6, ours_default_us=times[default] * 1e6, best_config=dataclasses.asdict(best),
                cudnn_us=_bench(cudnn) * 1e6, cudnn_epilogue_us=_bench(cudnn_epilogue) * 1e6, floor_us=floor_s * 1e6)
+    if graph:
+        row["cudnn_graph_us"], row["cudnn_graph_err"], row["cudnn_graph_engine"] = cudnn_graph(
+            x, w, ops, case, stride, pad, ref)
     return row
 
 
@@ -138,6 +165,8 @@ def main():
     p.add_argument("--strips", action="store_true", help="also time the strip mainloop's tiles (STRIPS), each")
     p.add_argument("--scalar-channels", action="store_true",
                    help="KV = 1: the channel mask and output strides as before the channel vectors (an A/B)")
+    p.add_argument("--cudnn-graph", action="store_true",
+                   help="also time cuDNN's fused graph on the grouped conv (the batch norm folded), a probe")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     if args.scalar_channels:
@@ -151,18 +180,18 @@ def main():
         for case in CASES:
             if wanted and not any(w in case.name for w in wanted):
                 continue
-            rows.append(measure(case, batch, bw, strips=args.strips))
+            rows.append(measure(case, batch, bw, strips=args.strips, graph=args.cudnn_graph))
             print(json.dumps(rows[-1]), flush=True)
     with open(os.path.join(args.out, "depthwise.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), copy_bytes_per_s=bw, rows=rows), f, indent=1)
     print(f"\n{torch.cuda.get_device_name()}, fp16 channels_last, us (copy {bw / 1e12:.2f} TB/s)")
     print(f"{'case':26} {'bs':>4} {'floor':>8} {'ours':>8} {'default':>8} {'cuDNN':>8} {'cuDNN+epi':>9} "
-          f"{'vs cuDNN+epi':>12} {'err':>8}  best config")
+          f"{'vs cuDNN+epi':>12} {'err':>8} {'graph':>8}  best config")
     for r in rows:
         cfg = DepthwiseConfig(**r["best_config"])
         print(f"{r['case']:26} {r['batch']:>4} {r['floor_us']:8.1f} {r['ours_us']:8.1f} {r['ours_default_us']:8.1f} "
               f"{r['cudnn_us']:8.1f} {r['cudnn_epilogue_us']:9.1f} {r['cudnn_epilogue_us'] / r['ours_us']:11.2f}x "
-              f"{r['max_rel_err']:8.1e}  {cfg.block_h}x{cfg.block_w}x{cfg.block_n}/{cfg.num_warps}w strip {cfg.strip}")
+              f"{r['max_rel_err']:8.1e} {r.get('cudnn_graph_us', float('nan')):8.1f}  {cfg.block_h}x{cfg.block_w}x{cfg.block_n}/{cfg.num_warps}w strip {cfg.strip}")
 
 
 if __name__ == "__main__":

@@ -83,7 +83,8 @@ def gemm_case(case, t: dict | None = None):
 
     def eager():
         y = F.linear(a, wt, bias)
-        return F.gelu(y) if "gelu" in sig else y + res
+        y = F.gelu(y) if "gelu" in sig else y + res if "full1" in sig else y
+        return torch.relu(y) if sig.startswith("relu") else y
 
     nbytes = (a.numel() + wt.numel() + out.numel() * (2 if "full1" in sig else 1)) * 2
     return (name, k, lambda cfg: kernels.gemm(a, wt.t(), t["ops"], sig, out, cfg), epi.rows3(out, out.shape, -1),

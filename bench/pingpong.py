@@ -33,7 +33,12 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-EPI_GELU, EPI_RESIDUAL = 1, 2
+EPI_GELU, EPI_RESIDUAL, EPI_RESIDUAL_RELU = 1, 2, 3
+# ResNet-50's 1x1 tail convs at bs256 as GEMMs over NHWC rows, the batch norm folded into the weight and a shift:
+# (name, M, N, K, signature), as bench/persistent.py's GEMMS
+RESNET_TAILS = [(f"rn50 {name} 1x1 {k}>{n} +res relu", 256 * hw * hw, n, k, "relu(add(add(acc,c0),full1))")
+                for name, hw, k, n in [("l1", 56, 64, 256), ("l2", 28, 128, 512), ("l3", 14, 256, 1024),
+                                       ("l4", 7, 512, 2048)]]
 
 
 @gluon.jit
@@ -120,11 +125,13 @@ def _consumer(cid: gl.constexpr, a_bufs, w_bufs, ready, empty, turn, c_smem, c_d
         y = acc + gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
         if EPI == 1:
             y = _gelu_erf(y)
-        if EPI == 2:
+        if EPI >= 2:
             rows = pm * BM + gl.arange(0, BM, gl.SliceLayout(1, layout))
             offs = gl.expand_dims(rows, 1) * N + gl.expand_dims(cols, 0)
             mask = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
             y = y + gl.load(res_ptr + offs, mask=mask, other=0.0).to(gl.float32)
+        if EPI == 3:
+            y = gl.maximum(y, 0.0)
         tma.store_wait(0)  # the previous tile's bulk store has read c_smem
         c_smem.store(y.to(c_desc.dtype))
         fence_async_shared()
@@ -179,7 +186,8 @@ def pingpong_kernel(a_desc, w_desc, c_desc, bias_ptr, res_ptr, M, N, K, EPI: gl.
 
 # (block_m, block_n, block_k, stages, group_m, consumer registers)
 CONFIGS = [(128, 128, 64, 4, 8, 232), (128, 128, 64, 3, 8, 232), (128, 128, 64, 5, 8, 232),
-           (128, 128, 32, 6, 8, 232), (128, 64, 64, 6, 8, 232), (128, 128, 64, 4, 16, 232)]
+           (128, 128, 32, 6, 8, 232), (128, 64, 64, 6, 8, 232), (128, 128, 64, 4, 16, 232),
+           (64, 256, 64, 4, 8, 232), (64, 256, 64, 3, 8, 232)]
 
 
 def launcher(a, wt, bias, res, out, epi: int, cfg, sms: int):
@@ -209,7 +217,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default="", help="substring filter on bench/persistent.py's GEMM case names")
     p.add_argument("--configs", default="", help="comma list of CONFIGS indices (default: all)")
-    p.add_argument("--ours", default="0,1", help="comma list of persistent.TILES indices for resfuse's kernel")
+    p.add_argument("--ours", default="0,1", help="comma list of persistent.TILES indices for resfuse's kernel, "
+                   "each with pP for P programs an SM (persistent)")
+    p.add_argument("--bare", action="store_true", help="also time each ping-pong config with the bias alone")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     picks = [CONFIGS[int(i)] for i in args.configs.split(",")] if args.configs else CONFIGS
@@ -218,31 +228,34 @@ def main(argv=None) -> None:
     print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}; ceilings: mm {peak / 1e12:.0f} TFLOP/s, "
           f"copy {bw / 1e9:.0f} GB/s", flush=True)
     rows = []
-    for case in [g for g in persistent.GEMMS if args.cases in g[0]]:
+    for case in [g for g in persistent.GEMMS + RESNET_TAILS if args.cases in g[0]]:
         name, m, n, k, sig = case
         t = persistent.gemm_tensors(case)
         _, _, ours, out3, ref, eager, alone, nbytes, flops = persistent.gemm_case(case, t)
-        epi = EPI_RESIDUAL if "full1" in sig else EPI_GELU
+        epi = EPI_GELU if "gelu" in sig else EPI_RESIDUAL_RELU if sig.startswith("relu") else EPI_RESIDUAL
         out = t["out"]
-        row = {"case": name, "m": m, "n": n, "k": k, "sig": sig, "pingpong": {}, "resfuse": {}}
+        row = {"case": name, "m": m, "n": n, "k": k, "sig": sig, "pingpong": {}, "bare": {}, "resfuse": {}}
+        bare_ref = (t["a"].float() @ t["wt"].t().float() + t["bias"].float()).unsqueeze(0)
         for cfg in picks:
-            try:
-                run = launcher(t["a"], t["wt"], t["bias"], t["res"] if epi == EPI_RESIDUAL else None, out, epi,
-                               cfg, sms)
-                out.fill_(float("nan"))
-                run()
-                torch.cuda.synchronize()
-                err = kb.rel_err(out3, ref)
-                us = kb.bench(run)
-            except Exception as e:  # noqa: BLE001  a config that fails is reported, not fatal to the sweep
-                print(f"  {name}: pingpong {cfg} failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
-                continue
-            row["pingpong"][str(cfg)] = {"us": us, "err": err}
-            print(f"  {name}: pingpong {cfg} {us:.1f} us, err {err:.1e}", flush=True)
-        for i in [int(i) for i in args.ours.split(",") if i]:
-            bm, bn, bk, nw, ns = persistent.TILES[i]
+            for mode, code, expect in [("pingpong", epi, ref)] + ([("bare", 0, bare_ref)] if args.bare else []):
+                try:
+                    run = launcher(t["a"], t["wt"], t["bias"], t["res"] if code >= EPI_RESIDUAL else None, out,
+                                   code, cfg, sms)
+                    out.fill_(float("nan"))
+                    run()
+                    torch.cuda.synchronize()
+                    err = kb.rel_err(out3, expect)
+                    us = kb.bench(run)
+                except Exception as e:  # noqa: BLE001  a config that fails is reported, not fatal to the sweep
+                    print(f"  {name}: {mode} {cfg} failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
+                    continue
+                row[mode][str(cfg)] = {"us": us, "err": err}
+                print(f"  {name}: {mode} {cfg} {us:.1f} us, err {err:.1e}", flush=True)
+        for pick in [o for o in args.ours.split(",") if o]:
+            i, _, programs = pick.partition("p")
+            bm, bn, bk, nw, ns = persistent.TILES[int(i)]
             cfg = GemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=8, split_k=1, num_warps=nw, num_stages=ns,
-                             tma=True)
+                             tma=True, persistent=int(programs or 0))
             for store in (False, True):
                 kernels.set_options(tma_store=store)
                 out.fill_(float("nan"))
@@ -258,12 +271,13 @@ def main(argv=None) -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "pingpong.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "triton": triton.__version__, "rows": rows}, f, indent=1)
-    print(f"\n{'case':32} {'pingpong':>9} {'resfuse':>9} {'cuBLAS':>9} {'eager':>9} {'floor':>8} {'pp err':>8}  "
+    print(f"\n{'case':32} {'pingpong':>9} {'bare':>7} {'resfuse':>9} {'cuBLAS':>9} {'eager':>9} {'floor':>8} {'pp err':>8}  "
           "best ping-pong config")
     for r in rows:
         pp = min(r["pingpong"].items(), key=lambda kv: kv[1]["us"], default=(None, {"us": float("nan"), "err": 0}))
         rf = min((v["us"] for v in r["resfuse"].values()), default=float("nan"))
-        print(f"{r['case'][:32]:32} {pp[1]['us']:9.1f} {rf:9.1f} {r['alone_us']:9.1f} {r['eager_us']:9.1f} "
+        bare = min((v["us"] for v in r["bare"].values()), default=float("nan"))
+        print(f"{r['case'][:32]:32} {pp[1]['us']:9.1f} {bare:7.1f} {rf:9.1f} {r['alone_us']:9.1f} {r['eager_us']:9.1f} "
               f"{r['floor_us']:8.1f} {pp[1]['err']:8.1e}  {pp[0]}")
 
 

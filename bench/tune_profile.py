@@ -1,0 +1,132 @@
+"""Where a cold tuning's time goes (GPU machine), phase by phase.
+
+Entry point: `python bench/tune_profile.py --model mobilenet_v3_large --batch 32 [--budget 600] [--cold-triton]
+[--out DIR]`. Compiles the model with resfuse (CUDA graphs off, a fresh tuning cache; with --cold-triton a fresh
+Triton kernel cache too) and runs it once, with the tuner's phases wrapped in wall-clock timers:
+- `compile_in_parallel`, the Triton candidates built: first by `precompile` (a dry run recording each kernel,
+  then worker processes compiling them; timed on its own too), then loaded or compiled on a thread pool;
+- `_reference`, the fp32 reference;
+- `_bench`, each timed candidate (its CUDA-graph captures and replays), with the host time of the calls it makes;
+- the cuDNN provider's plans: the graph and heuristics (`Plan.__init__`), each engine config's build (a `run`
+  whose engine is not built yet);
+- the rest of `tune` (every candidate's first run and its check against the reference, the selection);
+- every Triton compile (`triton.compiler.compile`), its wall time and its thread's CPU time summed: the CPU time
+  counts the compiler's own work in its thread (the GIL's share among it), not ptxas's subprocess.
+Prints the breakdown and writes it to DIR/tune_profile.json.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="mobilenet_v3_large")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--budget", type=float, default=600.0)
+    p.add_argument("--cold-triton", action="store_true", help="a fresh Triton kernel cache (TRITON_CACHE_DIR)")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    if args.cold_triton:
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton_cold_")
+    import resfuse
+    from resfuse.bench import models
+    from resfuse.providers import cudnn
+    from resfuse.tuning import choose, precompile
+
+    spent, counts = collections.defaultdict(float), collections.Counter()
+
+    def timed(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*a, **kw):
+            start = time.monotonic()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[name] += time.monotonic() - start
+                counts[name] += 1
+        return wrapper
+
+    choose.tune = timed("tune", choose.tune)
+    choose.compile_in_parallel = timed("compile_in_parallel", choose.compile_in_parallel)
+    choose._reference = timed("reference", choose._reference)
+    original_precompile = precompile.precompile
+
+    def precompiled(fns):
+        n = original_precompile(fns)
+        counts["kernels compiled by the workers"] += n
+        return n
+
+    precompile.precompile = timed("precompile: dry run + workers", precompiled)
+    original_bench = choose._bench
+
+    def bench(fn, *a, **kw):  # the host time of one call of the candidate, then the whole measurement
+        start = time.monotonic()
+        fn()
+        torch.cuda.synchronize()
+        spent["bench: one call, host + device"] += time.monotonic() - start
+        return original_bench(fn, *a, **kw)
+
+    choose._bench = timed("bench", bench)
+    cudnn.Plan.__init__ = timed("cudnn graph + heuristics", cudnn.Plan.__init__)
+    plan_run = cudnn.Plan.run
+
+    def run(self, call, out, engine=None):
+        index = self.engines.index(engine) if engine in self.engines else 0
+        name = "cudnn engine build + first run" if index not in self.workspace_bytes else "cudnn runs"
+        start = time.monotonic()
+        try:
+            return plan_run(self, call, out, engine)
+        finally:
+            spent[name] += time.monotonic() - start
+            counts[name] += 1
+
+    cudnn.Plan.run = run
+    import threading
+
+    import triton.compiler
+    original_compile, compiles = triton.compiler.compile, []
+
+    def compile_timed(*a, **kw):  # each Triton compile: its wall time and its thread's CPU time (the GIL's share)
+        start, cpu = time.monotonic(), time.thread_time()
+        try:
+            return original_compile(*a, **kw)
+        finally:
+            compiles.append((time.monotonic() - start, time.thread_time() - cpu, threading.get_ident()))
+
+    triton.compiler.compile = compile_timed
+    model, example = models.load(args.model, args.batch, torch.float16, "cuda")
+    compiled = resfuse.compile(model, cuda_graphs=False, tuning_budget_s=args.budget,
+                               cache_dir=tempfile.mkdtemp(prefix="resfuse_profile_"))
+    start = time.monotonic()
+    with torch.no_grad():
+        compiled(*example)
+    torch.cuda.synchronize()
+    wall = time.monotonic() - start
+    spent["triton compiles, wall summed"] = sum(c[0] for c in compiles)
+    spent["triton compiles, thread CPU summed"] = sum(c[1] for c in compiles)
+    counts["triton compiles, wall summed"] = counts["triton compiles, thread CPU summed"] = len(compiles)
+    rows = {k: {"s": round(v, 2), "calls": counts[k]} for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "tune_profile.json"), "w") as f:
+        json.dump({"model": args.model, "batch": args.batch, "cold_triton": args.cold_triton, "first_call_s": wall,
+                   "phases": rows}, f, indent=1)
+    print(f"\n{args.model} bs{args.batch}{' (cold Triton cache)' if args.cold_triton else ''}: first call "
+          f"{wall:.1f} s; ops tuned {counts['tune']}")
+    for name, r in rows.items():
+        print(f"  {name:34} {r['s']:8.2f} s  {r['calls']:6} calls")
+
+
+if __name__ == "__main__":
+    main()
