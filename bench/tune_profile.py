@@ -3,8 +3,9 @@
 Entry point: `python bench/tune_profile.py --model mobilenet_v3_large --batch 32 [--budget 600] [--cold-triton]
 [--out DIR]`. Compiles the model with resfuse (CUDA graphs off, a fresh tuning cache; with --cold-triton a fresh
 Triton kernel cache too) and runs it once, with the tuner's phases wrapped in wall-clock timers:
+- `precompile.ahead`, at capture: every op's kernels recorded and queued for the compile workers;
 - `compile_in_parallel`, the Triton candidates built: first by `precompile` (a dry run recording each kernel,
-  then worker processes compiling them; timed on its own too), then loaded or compiled on a thread pool;
+  then waiting for the workers to compile them; timed on its own too), then loaded or compiled on a thread pool;
 - `_reference`, the fp32 reference;
 - `_bench`, each timed candidate (its CUDA-graph captures and replays), with the host time of the calls it makes;
 - the cuDNN provider's plans: the graph and heuristics (`Plan.__init__`), each engine config's build (a `run`
@@ -69,6 +70,14 @@ def main() -> None:
         return n
 
     precompile.precompile = timed("precompile: dry run + workers", precompiled)
+    original_ahead = precompile.ahead
+
+    def ahead(gm):
+        n = original_ahead(gm)
+        print(f"precompile.ahead: {n} kernels queued for the workers", flush=True)
+        return n
+
+    precompile.ahead = timed("precompile.ahead (dry runs, queuing)", ahead)
     original_bench = choose._bench
 
     def bench(fn, *a, **kw):  # the host time of one call of the candidate, then the whole measurement

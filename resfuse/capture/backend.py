@@ -51,6 +51,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs, *, config: Config, graph: 
         tune_now = run_graph and kernels.triton_installed() and inductor.wanted(config.remainder, example_inputs)
         gm = run_passes(gm, PassContext(config, graph, report, tune_now))
         report.peak_bytes[graph] = (before, peak_bytes(gm))
+        if tune_now:
+            compile_ahead(gm, graph, report)
     except Exception as e:  # never crash the user's model: fall back to the captured graph, and say why
         report.errors.append(f"{graph} graph: passes failed, running it unfused: {type(e).__name__}: {e}")
         warnings.warn(f"resfuse: {report.errors[-1]}")
@@ -65,6 +67,17 @@ def compile_graph(gm: fx.GraphModule, example_inputs, *, config: Config, graph: 
     if why_not:
         report.notes.append(f"{graph} graph runs without CUDA graphs: {why_not}")
     return cuda_graphs.wrap(built, gm, example_inputs, graph, why_not, graphed if graphed is not None else {})
+
+
+def compile_ahead(gm: fx.GraphModule, graph: str, report: Report) -> None:
+    """Queue the Triton kernels that the graph's first run will tune on the compile workers (tuning/precompile.py),
+    so they compile while the tuner measures the ops before them. Only a head start: on failure, a note."""
+    from ..tuning import precompile
+
+    try:
+        precompile.ahead(gm)
+    except Exception as e:  # noqa: BLE001  the tuner compiles them itself, as without workers
+        report.notes.append(f"{graph} graph: kernels not compiled ahead: {type(e).__name__}: {str(e)[:200]}")
 
 
 def build(gm: fx.GraphModule, example_inputs, config: Config, graph: str, report: Report):

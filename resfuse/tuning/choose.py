@@ -98,6 +98,17 @@ def key(call: Call) -> Key:
                (*[tuple(t.stride()) for t in tensors], tuple(out.strides)), call.signature, gpu, sms, versions)
 
 
+def level_now() -> str:
+    return _SETTINGS["level"]
+
+
+def needs_tuning(call: Call) -> bool:
+    """Would choose(call) measure it now: tuning on, on CUDA, decided neither in this process nor in the cache."""
+    if _SETTINGS["level"] == "none" or not _tunable(call.out.device) or fast_key(call) in _CHOICES:
+        return False
+    return _SETTINGS["force"] or _cache().get(key(call)) is None
+
+
 def settled(call: Call) -> Choice | None:
     """choose(call) where that needs no measurement now; None where it would tune (first sight of the shapes)."""
     if _SETTINGS["level"] == "none" or not _tunable(call.out.device):

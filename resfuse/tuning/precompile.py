@@ -1,7 +1,9 @@
 """The tuner's Triton kernels compiled in worker processes, ahead of their first launch.
 
-Entry point: `precompile(fns)`, which choose.compile_in_parallel calls before it launches each candidate once.
-`python -m resfuse.tuning.precompile` is the worker.
+Entry points: `ahead(gm)`, which the backend calls once a graph is rewritten, before its first run: every fused
+conv and GEMM of the graph that will be tuned has its candidates' kernels queued for the workers at once;
+`precompile(fns)`, which choose.compile_in_parallel calls before it launches each candidate once: it waits for
+those kernels (queuing any not queued yet). `python -m resfuse.tuning.precompile` is the worker.
 
 Why: a cold tuning is mostly Triton compiles. MobileNetV3 bs32 on an H100 host (16 cores) compiled 759 kernels in
 134 of its 215 s first call; on compile_in_parallel's threads each compile waited on the GIL for about a third of
@@ -15,6 +17,8 @@ How:
   multiprocessing's spawn would re-import). Each worker calls `triton.compile` for the parent's GPU target,
   without a GPU context. Triton's on-disk cache (TRITON_CACHE_DIR, inherited) then holds every kernel.
 - The callables' real first runs, on compile_in_parallel's threads, find their kernels there.
+- Queued ahead for a whole graph, the workers compile the later ops' kernels while the tuner measures the first
+  ones: an op no longer waits for the slowest of its own ~16 compiles after the previous op's measurement.
 - Anything a worker cannot rebuild (a kernel defined in a function, an unpicklable argument, a dead worker) is
   compiled on the threads as before: a cache miss costs time, never a wrong kernel.
 
@@ -36,8 +40,9 @@ import subprocess
 import sys
 import threading
 
-_POOL: dict = {"workers": None, "idle": None, "broken": False}
+_POOL: dict = {"workers": None, "idle": None, "broken": False, "feeder": None}
 _LOCK = threading.Lock()
+_QUEUED: dict = {}  # a kernel's specialisation -> the future of its compile on a worker
 
 
 def workers_wanted() -> int:
@@ -47,26 +52,86 @@ def workers_wanted() -> int:
 
 
 def precompile(fns) -> int:
-    """Compile in worker processes every Triton kernel the callables would launch; returns how many compiled."""
+    """Compile in worker processes every Triton kernel the callables would launch (those queued already by
+    `ahead` are waited for); returns how many compiled."""
     if workers_wanted() == 0 or _POOL["broken"]:
         return 0
-    specs = record(fns)
-    idle = _start(workers_wanted())
-    if not specs or idle is None:
+    futures = _queue(record(fns))
+    return sum(bool(f.result()) for f in futures)
+
+
+def ahead(gm) -> int:
+    """Queue the candidates' kernels of every fused conv2d and gemm in `gm` that the tuner will measure, without
+    waiting; returns how many were queued. Each op's call is built from the graph's shapes on scratch tensors,
+    one op at a time (freed before the next). Ops with a dynamic dim are left to `precompile`."""
+    from .choose import _off_thread
+
+    devices = {v.device for n in gm.graph.nodes if (v := n.meta.get("val")) is not None
+               and getattr(v, "device", None) is not None and v.device.type == "cuda"}
+    if workers_wanted() == 0 or _POOL["broken"] or not devices:
         return 0
+    return _off_thread(min(devices, key=str), _queue_graph, gm)  # its scratch off the caller's thread, as tuning
 
-    def send(spec):
-        worker = idle.get()
-        try:
-            return worker.ask(spec)
-        except (OSError, EOFError, pickle.PickleError, struct.error):
-            _POOL["broken"] = True  # a dead worker: this process compiles on threads from now on
-            return False
-        finally:
-            idle.put(worker)
 
-    with concurrent.futures.ThreadPoolExecutor(len(_POOL["workers"])) as threads:
-        return sum(bool(ok) for ok in threads.map(send, specs))
+def _queue_graph(gm) -> int:
+    from .. import providers
+    from .choose import level_now, needs_tuning
+
+    queued = 0
+    for call in _calls(gm):
+        if not needs_tuning(call) or providers.triton.refusal(call) is not None:
+            continue
+        jobs = [f for c in providers.triton.candidates(call, level_now())
+                for f in (c.mainloop, c.run, *(v.run for v in c.variants)) if f is not None]
+        queued += len(_queue(record(jobs)))
+    return queued
+
+
+def _calls(gm):
+    """The tuner's Call of each fused conv2d / gemm node of `gm` with static shapes, on scratch tensors."""
+    import torch
+
+    from ..ops import fused
+    from ..passes import legality
+
+    targets = {torch.ops.resfuse.conv2d.default: "conv2d", torch.ops.resfuse.gemm.default: "gemm"}
+    for node in gm.graph.nodes:
+        op = targets.get(node.target) if node.op == "call_function" else None
+        if op is None or node.args[-1] != "triton":
+            continue
+        tensors = [*node.args[:2], *node.args[2]]
+        vals = [legality.val(n) for n in tensors]
+        if any(v is None or v.device.type != "cuda" or not all(isinstance(d, int) for d in (*v.shape, *v.stride()))
+               for v in vals):
+            continue
+        scratch = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in vals]
+        yield fused.call_of(op, tuple(scratch[:2]), scratch[2:], node.args[3], tuple(node.args[4:-1]))
+
+
+def _queue(specs) -> list:
+    """Each spec's compile future: the one queued before for the same kernel, or a new one."""
+    idle = _start(workers_wanted()) if specs else None
+    if idle is None:
+        return []
+    futures = []
+    with _LOCK:
+        for spec in specs:
+            key = (spec["module"], spec["name"], spec["specialization"])
+            if key not in _QUEUED:
+                _QUEUED[key] = _POOL["feeder"].submit(_send_to_worker, idle, spec)
+            futures.append(_QUEUED[key])
+    return futures
+
+
+def _send_to_worker(idle, spec) -> bool:
+    worker = idle.get()
+    try:
+        return worker.ask(spec)
+    except (OSError, EOFError, pickle.PickleError, struct.error):
+        _POOL["broken"] = True  # a dead worker: this process compiles on threads from now on
+        return False
+    finally:
+        idle.put(worker)
 
 
 def record(fns) -> list[dict]:
@@ -110,7 +175,7 @@ def _spec(jit, compile: dict) -> dict | None:
     data = json.loads(compile["specialization_data"])
     spec = {"module": fn.__module__, "path": inspect.getsourcefile(fn), "name": name,
             "signature": compile["signature"], "constants": compile["constants"], "attrs": compile["configs"][0],
-            "options": _tuples(data["options"])}
+            "options": _tuples(data["options"]), "specialization": compile["specialization_data"]}
     try:
         pickle.dumps(spec)
     except Exception:  # noqa: BLE001  e.g. a constexpr of a type pickle does not know
@@ -160,11 +225,14 @@ def _start(n: int):
             _POOL["idle"] = queue.Queue()
             for w in _POOL["workers"]:
                 _POOL["idle"].put(w)
+            _POOL["feeder"] = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="resfuse-precompile")
             atexit.register(_stop)
         return _POOL["idle"]
 
 
 def _stop() -> None:
+    if _POOL["feeder"] is not None:
+        _POOL["feeder"].shutdown(wait=False, cancel_futures=True)
     for w in _POOL["workers"] or ():
         w.close()
 
