@@ -87,8 +87,9 @@ def _queue_graph(gm) -> int:
     return queued
 
 
-def _calls(gm):
-    """The tuner's Call of each fused conv2d / gemm node of `gm` with static shapes, on scratch tensors."""
+def _calls(gm, device_type: str = "cuda"):
+    """The tuner's Call of each fused conv2d / gemm node of `gm` with static shapes on `device_type`, on scratch
+    tensors."""
     import torch
 
     from ..ops import fused
@@ -101,7 +102,7 @@ def _calls(gm):
             continue
         tensors = [*node.args[:2], *node.args[2]]
         vals = [legality.val(n) for n in tensors]
-        if any(v is None or v.device.type != "cuda" or not all(isinstance(d, int) for d in (*v.shape, *v.stride()))
+        if any(v is None or v.device.type != device_type or not all(isinstance(d, int) for d in (*v.shape, *v.stride()))
                for v in vals):
             continue
         scratch = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in vals]

@@ -11,7 +11,7 @@ def run(fn, *inputs, **config):
     """(rewritten graph module, report) for fn traced on inputs."""
     gm = make_fx(fn, tracing_mode="fake")(*inputs)
     report = Report()
-    gm = run_passes(gm, PassContext(Config.from_env(providers=("aten",), **config), "inference", report))
+    gm = run_passes(gm, PassContext(Config.from_env(**{"providers": ("aten",), **config}), "inference", report))
     return gm, report
 
 

@@ -105,3 +105,49 @@ def test_workers_wanted(n, want):
         assert precompile.workers_wanted() == want
     finally:
         kernels.set_options(compile_workers=None)
+
+
+def _graph():
+    """A rewritten graph with a fused conv (batch norm + relu) and a fused gemm (bias + gelu), on CPU."""
+    import torch
+    import torch.nn.functional as F
+
+    from tests.passes import helpers
+
+    kernels.set_options(interpret=True)  # the fused ops take our kernels (provider "triton") on CPU tensors
+
+    def fn(x, w, bw, bb, mean, var, a, lw, lb):
+        y = torch.relu(helpers.bn(F.conv2d(x, w, padding=1), bw, bb, mean, var))
+        return y, F.gelu(F.linear(a, lw, lb))
+
+    args = (torch.randn(2, 4, 5, 5), helpers.conv_w(4, 6), *helpers.bn_params(6), torch.randn(3, 8),
+            torch.randn(16, 8), torch.randn(16))
+    gm, _ = helpers.run(fn, *args, providers=("triton", "aten"), interpret=True)
+    return gm
+
+
+def test_calls_from_the_graph_shapes():
+    calls = list(precompile._calls(_graph(), device_type="cpu"))
+    assert [(c.op, tuple(c.out.shape)) for c in calls] == [("conv2d", (2, 6, 5, 5)), ("gemm", (3, 16))]
+    conv, gemm = calls
+    assert "relu" in conv.signature and conv.params == ([1, 1], [1, 1], [1, 1]) and len(conv.operands) == 4
+    assert "gelu" in gemm.signature and gemm.inputs[0].shape == (3, 8) and gemm.inputs[1].shape == (8, 16)
+    assert list(precompile._calls(_graph())) == []  # nothing on CUDA here
+
+
+def test_ahead_queues_the_candidates_of_ops_still_to_tune(monkeypatch):
+    """Each op the tuner will measure has all its Triton candidates' callables dry-run (mainloop, run, variants);
+    an op already decided is skipped."""
+    from resfuse.tuning import choose
+
+    calls = list(precompile._calls(_graph(), device_type="cpu"))
+    monkeypatch.setattr(precompile, "_calls", lambda gm: iter(calls))
+    monkeypatch.setattr(choose, "needs_tuning", lambda call: call.op == "gemm")
+    recorded = []
+    monkeypatch.setattr(precompile, "record", lambda fns: recorded.append(list(fns)) or ["spec"] * len(fns))
+    monkeypatch.setattr(precompile, "_queue", lambda specs: specs)
+    assert precompile._queue_graph(None) == len(recorded[0]) > 0
+    assert len(recorded) == 1  # the conv, already decided, was not dry-run
+    from resfuse import providers
+    cands = providers.triton.candidates(calls[1], choose.level_now())
+    assert len(recorded[0]) == sum(1 + (c.mainloop is not None) + len(c.variants) for c in cands)
