@@ -75,12 +75,14 @@ def ahead(gm) -> int:
 
 def _queue_graph(gm) -> int:
     from .. import providers
-    from .choose import level_now, needs_tuning
+    from .choose import fast_key, level_now, needs_tuning
 
-    queued = 0
+    queued, seen = 0, set()
     for call in _calls(gm):
-        if not needs_tuning(call) or providers.triton.refusal(call) is not None:
+        problem = fast_key(call)  # a repeated block's ops: one problem, tuned once
+        if problem in seen or not needs_tuning(call) or providers.triton.refusal(call) is not None:
             continue
+        seen.add(problem)
         jobs = [f for c in providers.triton.candidates(call, level_now())
                 for f in (c.mainloop, c.run, *(v.run for v in c.variants)) if f is not None]
         queued += len(_queue(record(jobs)))
@@ -100,13 +102,22 @@ def _calls(gm, device_type: str = "cuda"):
         op = targets.get(node.target) if node.op == "call_function" else None
         if op is None or node.args[-1] != "triton":
             continue
-        tensors = [*node.args[:2], *node.args[2]]
-        vals = [legality.val(n) for n in tensors]
-        if any(v is None or v.device.type != device_type or not all(isinstance(d, int) for d in (*v.shape, *v.stride()))
-               for v in vals):
+        vals = [legality.val(n) for n in (*node.args[:2], *node.args[2])]
+        if any(v is None or v.device.type != device_type
+               or not all(isinstance(d, int) for d in (*v.shape, *v.stride(), v.storage_offset())) for v in vals):
             continue
-        scratch = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in vals]
+        scratch = [_scratch(v) for v in vals]
         yield fused.call_of(op, tuple(scratch[:2]), scratch[2:], node.args[3], tuple(node.args[4:-1]))
+
+
+def _scratch(v):
+    """An uninitialised tensor laid out as `v`, at its storage offset: Triton specialises a pointer on its
+    alignment, so a view's kernel is not the one of a tensor at its storage's start."""
+    import torch
+
+    span = 1 + sum((n - 1) * s for n, s in zip(v.shape, v.stride())) if v.numel() else 0
+    base = torch.empty(v.storage_offset() + span, dtype=v.dtype, device=v.device)
+    return base.as_strided(v.shape, v.stride(), v.storage_offset())
 
 
 def _queue(specs) -> list:

@@ -151,3 +151,13 @@ def test_ahead_queues_the_candidates_of_ops_still_to_tune(monkeypatch):
     from resfuse import providers
     cands = providers.triton.candidates(calls[1], choose.level_now())
     assert len(recorded[0]) == sum(1 + (c.mainloop is not None) + len(c.variants) for c in cands)
+
+
+def test_scratch_keeps_a_views_layout_and_offset():
+    import torch
+
+    base = torch.randn(7, 10)
+    for v in (base, base[1:, 2:8], base.t(), base[:, 3]):
+        s = precompile._scratch(v)
+        assert (s.shape, s.stride(), s.storage_offset(), s.dtype) == (v.shape, v.stride(), v.storage_offset(),
+                                                                       v.dtype)
