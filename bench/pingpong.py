@@ -32,6 +32,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from resfuse.kernels.activations import gelu_erf  # noqa: E402
 
 EPI_GELU, EPI_RESIDUAL, EPI_RESIDUAL_RELU = 1, 2, 3
 # ResNet-50's 1x1 tail convs at bs256 as GEMMs over NHWC rows, the batch norm folded into the weight and a shift:
@@ -39,26 +41,6 @@ EPI_GELU, EPI_RESIDUAL, EPI_RESIDUAL_RELU = 1, 2, 3
 RESNET_TAILS = [(f"rn50 {name} 1x1 {k}>{n} +res relu", 256 * hw * hw, n, k, "relu(add(add(acc,c0),full1))")
                 for name, hw, k, n in [("l1", 56, 64, 256), ("l2", 28, 128, 512), ("l3", 14, 256, 1024),
                                        ("l4", 7, 512, 2048)]]
-
-
-@gluon.jit
-def _gelu_erf(x):
-    """resfuse.kernels.activations.gelu_erf in Gluon's names (the same fit, the same instructions)."""
-    y = 1.0 + 0.3535533905932738 * gl.minimum(gl.abs(x), 1e4)
-    r = gl.rsqrt(y)
-    t = r * r
-    t = t + t * (1.0 - y * t)
-    p = 0.246517298 * t - 1.18611495
-    p = p * t + 2.14747446
-    p = p * t - 1.63775315
-    p = p * t + 0.402321582
-    p = p * t - 0.26875686
-    p = p * t + 0.139630057
-    p = p * t + 0.539700616
-    p = p * t + 1.4427292
-    p = p * t - 2.82574822
-    half_erfc = t * gl.exp2(p - 0.7213475204444817 * x * x)
-    return x * gl.where(x >= 0.0, 1.0 - half_erfc, half_erfc)
 
 
 @gluon.jit
@@ -124,7 +106,7 @@ def _consumer(cid: gl.constexpr, a_bufs, w_bufs, ready, empty, turn, c_smem, c_d
         cols = pn * BN + gl.arange(0, BN, gl.SliceLayout(0, layout))
         y = acc + gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
         if EPI == 1:
-            y = _gelu_erf(y)
+            y = gelu_erf(y)  # resfuse's @triton.jit GELU, called from Gluon: elementwise, no layouts
         if EPI >= 2:
             rows = pm * BM + gl.arange(0, BM, gl.SliceLayout(1, layout))
             offs = gl.expand_dims(rows, 1) * N + gl.expand_dims(cols, 0)
