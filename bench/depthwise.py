@@ -191,7 +191,8 @@ def main():
         cfg = DepthwiseConfig(**r["best_config"])
         print(f"{r['case']:26} {r['batch']:>4} {r['floor_us']:8.1f} {r['ours_us']:8.1f} {r['ours_default_us']:8.1f} "
               f"{r['cudnn_us']:8.1f} {r['cudnn_epilogue_us']:9.1f} {r['cudnn_epilogue_us'] / r['ours_us']:11.2f}x "
-              f"{r['max_rel_err']:8.1e} {r.get('cudnn_graph_us', float('nan')):8.1f}  {cfg.block_h}x{cfg.block_w}x{cfg.block_n}/{cfg.num_warps}w strip {cfg.strip}")
+              f"{r['max_rel_err']:8.1e} {r.get('cudnn_graph_us', float('nan')):8.1f}  "
+              f"{cfg.block_h}x{cfg.block_w}x{cfg.block_n}/{cfg.num_warps}w strip {cfg.strip}")
 
 
 if __name__ == "__main__":

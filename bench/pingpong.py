@@ -253,8 +253,8 @@ def main(argv=None) -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "pingpong.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "triton": triton.__version__, "rows": rows}, f, indent=1)
-    print(f"\n{'case':32} {'pingpong':>9} {'bare':>7} {'resfuse':>9} {'cuBLAS':>9} {'eager':>9} {'floor':>8} {'pp err':>8}  "
-          "best ping-pong config")
+    print(f"\n{'case':32} {'pingpong':>9} {'bare':>7} {'resfuse':>9} {'cuBLAS':>9} {'eager':>9} {'floor':>8} "
+          f"{'pp err':>8}  best ping-pong config")
     for r in rows:
         pp = min(r["pingpong"].items(), key=lambda kv: kv[1]["us"], default=(None, {"us": float("nan"), "err": 0}))
         rf = min((v["us"] for v in r["resfuse"].values()), default=float("nan"))
