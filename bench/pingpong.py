@@ -1,20 +1,22 @@
 """GPU probe: a ping-pong GEMM in Gluon (Triton's low-level dialect), CUTLASS's Hopper schedule, on the GEMMs whose
 epilogue our Triton kernels cannot hide (BERT's FFN1 + GELU, ConvNeXt's pointwise layers).
 
-Entry point: `python bench/pingpong.py [--cases SUBSTR] [--configs I,J] [--out DIR]`, on a Hopper GPU with
-triton >= 3.6. Not a product kernel: Gluon has no interpreter, so this cannot run in CI (the house rule).
+Entry point: `python bench/pingpong.py [--cases SUBSTR] [--configs I,J] [--ours I,IpP] [--bare] [--out DIR]`, on a
+Hopper GPU with triton >= 3.6. Not a product kernel: Gluon has no interpreter, so this cannot run in CI (the house
+rule). bench/pingpong_model.py patches it into a whole model.
 
 The kernel is persistent, one program an SM, in three warp-specialised partitions:
 - a producer warp issues the TMA loads of A and W tiles into a ring of `STAGES` shared-memory slots, tile after
   tile of the program's list, each slot guarded by a `ready` and an `empty` mbarrier;
 - two consumer warpgroups take alternate tiles of that list. Each runs its tile's wgmma mainloop, then its
-  epilogue (bias, GELU or the residual, fp16, a bulk TMA store). The ring is filled in tile order, so one
-  consumer's mainloop runs while the other's epilogue does: the epilogue leaves the tensor cores' critical
-  path. This is what Triton's own warp specialisation did not give (BENCHMARKS.md, eighth and twenty-fifth
-  sessions).
-For each case it times (CUDA-graph replays, median, bench/kernels.py's timer) every ping-pong config, resfuse's
-best Triton config from bench/persistent.py's list, the unfused eager chain and the GEMM alone on cuBLAS, checks
-every result against fp32, and writes DIR/pingpong.json.
+  epilogue (the bias, then GELU, or the residual, or the residual and relu; fp16; a bulk TMA store). The
+  mainloops alternate strictly (the `turn` mbarriers), so one consumer's mainloop runs while the other's epilogue
+  does: the epilogue leaves the tensor cores' critical path. This is what Triton's own warp specialisation did
+  not give (BENCHMARKS.md, eighth and twenty-fifth sessions).
+For each case (bench/persistent.py's GEMMs, and ResNet-50's 1x1 tails) it times (CUDA-graph replays, median,
+bench/kernels.py's timer) every ping-pong config (with --bare also with the bias alone), resfuse's Triton GEMM at
+the --ours configs of bench/persistent.py's list with both output stores, the unfused eager chain and the GEMM
+alone on cuBLAS, checks every result against fp32, and writes DIR/pingpong.json.
 """
 from __future__ import annotations
 
