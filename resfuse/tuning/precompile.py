@@ -70,7 +70,12 @@ def ahead(gm) -> int:
                and getattr(v, "device", None) is not None and v.device.type == "cuda"}
     if workers_wanted() == 0 or _POOL["broken"] or not devices:
         return 0
-    return _off_thread(min(devices, key=str), _queue_graph, gm)  # its scratch off the caller's thread, as tuning
+    device = min(devices, key=str)
+    queued = _off_thread(device, _queue_graph, gm)  # its scratch off the caller's thread, as tuning's
+    import torch
+
+    torch.cuda.empty_cache()  # and not left reserved, where a CUDA graph's private pool would never reuse it
+    return queued
 
 
 def _queue_graph(gm) -> int:
