@@ -6,8 +6,8 @@ conv and GEMM of the graph that will be tuned has its candidates' kernels queued
 those kernels (queuing any not queued yet). `python -m resfuse.tuning.precompile` is the worker.
 
 Why: a cold tuning is mostly Triton compiles. MobileNetV3 bs32 on an H100 host (16 cores) compiled 759 kernels in
-134 of its 215 s first call; on compile_in_parallel's threads each compile waited on the GIL for about a third of
-its time (bench/tune_profile.py, BENCHMARKS.md).
+134 of its 215 s first call. On compile_in_parallel's threads a compile took 1.44 s of wall time, of which 0.48 s
+ran on its own thread; the rest waited on the GIL or on ptxas (bench/tune_profile.py, BENCHMARKS.md).
 
 How:
 - `precompile` runs each callable once with Triton's `jit_cache_hook` set. The hook records what each launch
@@ -64,11 +64,11 @@ def ahead(gm) -> int:
     """Queue the candidates' kernels of every fused conv2d and gemm in `gm` that the tuner will measure, without
     waiting; returns how many were queued. Each op's call is built from the graph's shapes on scratch tensors,
     one op at a time (freed before the next). Ops with a dynamic dim are left to `precompile`."""
-    from .choose import _off_thread
+    from .choose import _off_thread, level_now
 
     devices = {v.device for n in gm.graph.nodes if (v := n.meta.get("val")) is not None
                and getattr(v, "device", None) is not None and v.device.type == "cuda"}
-    if workers_wanted() == 0 or _POOL["broken"] or not devices:
+    if workers_wanted() == 0 or _POOL["broken"] or not devices or level_now() == "none":
         return 0
     device = min(devices, key=str)
     queued = _off_thread(device, _queue_graph, gm)  # its scratch off the caller's thread, as tuning's
@@ -82,21 +82,26 @@ def _queue_graph(gm) -> int:
     from .. import providers
     from .choose import fast_key, level_now, needs_tuning
 
-    queued, seen = 0, set()
-    for call in _calls(gm):
+    seen = set()
+
+    def wanted(call) -> bool:  # on the graph's fake tensors: a warm start allocates nothing
         problem = fast_key(call)  # a repeated block's ops: one problem, tuned once
         if problem in seen or not needs_tuning(call) or providers.triton.refusal(call) is not None:
-            continue
+            return False
         seen.add(problem)
+        return True
+
+    queued = 0
+    for call in _calls(gm, wanted):
         jobs = [f for c in providers.triton.candidates(call, level_now())
                 for f in (c.mainloop, c.run, *(v.run for v in c.variants)) if f is not None]
         queued += len(_queue(record(jobs)))
     return queued
 
 
-def _calls(gm, device_type: str = "cuda"):
+def _calls(gm, wanted=lambda call: True, device_type: str = "cuda"):
     """The tuner's Call of each fused conv2d / gemm node of `gm` with static shapes on `device_type`, on scratch
-    tensors."""
+    tensors, where `wanted` accepts the same call on the graph's fake tensors."""
     import torch
 
     from ..ops import fused
@@ -111,8 +116,11 @@ def _calls(gm, device_type: str = "cuda"):
         if any(v is None or v.device.type != device_type
                or not all(isinstance(d, int) for d in (*v.shape, *v.stride(), v.storage_offset())) for v in vals):
             continue
+        params = tuple(node.args[4:-1])
+        if not wanted(fused.call_of(op, tuple(vals[:2]), vals[2:], node.args[3], params)):
+            continue
         scratch = [_scratch(v) for v in vals]
-        yield fused.call_of(op, tuple(scratch[:2]), scratch[2:], node.args[3], tuple(node.args[4:-1]))
+        yield fused.call_of(op, tuple(scratch[:2]), scratch[2:], node.args[3], params)
 
 
 def _scratch(v):

@@ -127,12 +127,18 @@ def _graph():
 
 
 def test_calls_from_the_graph_shapes():
+    import torch
+
     calls = list(precompile._calls(_graph(), device_type="cpu"))
+    assert all(not isinstance(t, torch._subclasses.FakeTensor) for c in calls for t in (*c.inputs, *c.operands))
     assert [(c.op, tuple(c.out.shape)) for c in calls] == [("conv2d", (2, 6, 5, 5)), ("gemm", (3, 16))]
     conv, gemm = calls
     assert "relu" in conv.signature and conv.params == ([1, 1], [1, 1], [1, 1]) and len(conv.operands) == 4
     assert "gelu" in gemm.signature and gemm.inputs[0].shape == (3, 8) and gemm.inputs[1].shape == (8, 16)
     assert list(precompile._calls(_graph())) == []  # nothing on CUDA here
+    asked = []
+    only_gemm = list(precompile._calls(_graph(), lambda c: asked.append(c.op) or c.op == "gemm", device_type="cpu"))
+    assert asked == ["conv2d", "gemm"] and [c.op for c in only_gemm] == ["gemm"]
 
 
 def test_ahead_queues_the_candidates_of_ops_still_to_tune(monkeypatch):
@@ -141,7 +147,7 @@ def test_ahead_queues_the_candidates_of_ops_still_to_tune(monkeypatch):
     from resfuse.tuning import choose
 
     calls = list(precompile._calls(_graph(), device_type="cpu"))
-    monkeypatch.setattr(precompile, "_calls", lambda gm: iter(calls))
+    monkeypatch.setattr(precompile, "_calls", lambda gm, wanted: (c for c in calls if wanted(c)))
     monkeypatch.setattr(choose, "needs_tuning", lambda call: call.op == "gemm")
     recorded = []
     monkeypatch.setattr(precompile, "record", lambda fns: recorded.append(list(fns)) or ["spec"] * len(fns))
