@@ -136,9 +136,17 @@ def test_calls_from_the_graph_shapes():
     assert "relu" in conv.signature and conv.params == ([1, 1], [1, 1], [1, 1]) and len(conv.operands) == 4
     assert "gelu" in gemm.signature and gemm.inputs[0].shape == (3, 8) and gemm.inputs[1].shape == (8, 16)
     assert list(precompile._calls(_graph())) == []  # nothing on CUDA here
+    from resfuse.tuning import choose
+
     asked = []
-    only_gemm = list(precompile._calls(_graph(), lambda c: asked.append(c.op) or c.op == "gemm", device_type="cpu"))
-    assert asked == ["conv2d", "gemm"] and [c.op for c in only_gemm] == ["gemm"]
+
+    def wanted(call):  # on the graph's fake tensors: the tuner's keys must be computable there
+        assert isinstance(call.inputs[0], torch._subclasses.FakeTensor)
+        asked.append((call.op, choose.key(call).op, choose.fast_key(call)[0]))
+        return call.op == "gemm"
+
+    only_gemm = list(precompile._calls(_graph(), wanted, device_type="cpu"))
+    assert asked == [("conv2d",) * 3, ("gemm",) * 3] and [c.op for c in only_gemm] == ["gemm"]
 
 
 def test_ahead_queues_the_candidates_of_ops_still_to_tune(monkeypatch):
