@@ -62,6 +62,33 @@ PARENT = textwrap.dedent('''
         compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=target, options=options.__dict__)
         assert compiled.asm["cubin"]
         assert set(os.listdir(sys.argv[1])) == before, "the parent compiled again: the cache keys differ"
+
+        # record(): a real launch through Triton's jit with a stand-in driver (no GPU here), which Triton's
+        # jit_cache_hook stops before it compiles; the recorded spec compiles on the worker like the one above
+        import torch
+        from triton.runtime import driver
+
+        class Driver:  # what jit.run asks of the active driver before it compiles
+            def get_current_device(self):
+                return 0
+
+            def get_current_stream(self, device):
+                return 0
+
+            def get_current_target(self):
+                return target
+
+        driver.set_active(Driver())
+        t16 = lambda n: torch.zeros(n, dtype=torch.float16)  # noqa: E731
+        ints = [64, 72, 64, 64 * 72, 9, 1, 64 * 72, 9, 1]  # M, N, RPS, s_ss, s_sp, s_sc, s_os, s_op, s_oc
+        args = [t16(4608), torch.zeros(1), torch.zeros(1, dtype=torch.int32), t16(4608), *ints, t16(72), 0, 0, 1]
+        assert len(args) == len(kernel.arg_names) - 5
+        launch = lambda: kernel[(1,)](*args, BM=64, BN=64, KV=8, SPLIT_K=1, PDL=False, num_warps=4)  # noqa: E731
+        specs = precompile.record([launch, launch, lambda: 1 / 0])  # a repeat and a failure: one spec
+        assert len(specs) == 1 and specs[0]["name"] == kernel.fn.__name__, specs
+        assert specs[0]["target"] == target and specs[0]["constants"]
+        assert worker.ask(specs[0]) is True
+        assert triton.knobs.runtime.jit_cache_hook is None  # the hook is taken down again
     finally:
         worker.close()
     print("ok")
