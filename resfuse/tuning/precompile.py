@@ -40,9 +40,10 @@ import subprocess
 import sys
 import threading
 
-_POOL: dict = {"workers": None, "idle": None, "broken": False, "feeder": None}
+_POOL: dict = {"workers": None, "jobs": None, "broken": False}
 _LOCK = threading.Lock()
 _QUEUED: dict = {}  # a kernel's specialisation -> the future of its compile on a worker
+WAIT_S = 300.0  # how long an op waits for its kernels' compiles (one took 1-3 s on an H100 host)
 
 
 def workers_wanted() -> int:
@@ -57,7 +58,8 @@ def precompile(fns) -> int:
     if workers_wanted() == 0 or _POOL["broken"]:
         return 0
     futures = _queue(record(fns))
-    return sum(bool(f.result()) for f in futures)
+    done, _ = concurrent.futures.wait(futures, timeout=WAIT_S)  # past it, the threads compile what is missing
+    return sum(bool(f.result()) for f in done)
 
 
 def ahead(gm) -> int:
@@ -135,28 +137,33 @@ def _scratch(v):
 
 def _queue(specs) -> list:
     """Each spec's compile future: the one queued before for the same kernel, or a new one."""
-    idle = _start(workers_wanted()) if specs else None
-    if idle is None:
+    jobs = _start(workers_wanted()) if specs else None
+    if jobs is None:
         return []
     futures = []
     with _LOCK:
         for spec in specs:
             key = (spec["module"], spec["name"], spec["specialization"])
             if key not in _QUEUED:
-                _QUEUED[key] = _POOL["feeder"].submit(_send_to_worker, idle, spec)
+                _QUEUED[key] = concurrent.futures.Future()
+                jobs.put((spec, _QUEUED[key]))
             futures.append(_QUEUED[key])
     return futures
 
 
-def _send_to_worker(idle, spec) -> bool:
-    worker = idle.get()
-    try:
-        return worker.ask(spec)
-    except (OSError, EOFError, pickle.PickleError, struct.error):
-        _POOL["broken"] = True  # a dead worker: this process compiles on threads from now on
-        return False
-    finally:
-        idle.put(worker)
+def _feed(worker, jobs: queue.Queue) -> None:
+    """A daemon thread's loop: hand its worker the queued specs one by one. Daemon threads, so that compiles still
+    queued (an op the budget left untuned) never hold up the interpreter's exit."""
+    while True:
+        spec, future = jobs.get()
+        if _POOL["broken"]:
+            future.set_result(False)
+            continue
+        try:
+            future.set_result(worker.ask(spec))
+        except Exception:  # noqa: BLE001  a dead worker: this process compiles on threads from now on
+            _POOL["broken"] = True
+            future.set_result(False)
 
 
 def record(fns) -> list[dict]:
@@ -231,15 +238,13 @@ class _Worker:
         return _receive(self.proc.stdout)
 
     def close(self) -> None:
-        try:
-            self.proc.stdin.close()
-            self.proc.wait(timeout=5)
-        except Exception:  # noqa: BLE001
-            self.proc.kill()
+        self.proc.kill()
+        self.proc.wait()
 
 
 def _start(n: int):
-    """The idle-worker queue, with `n` workers started on first use (one import of triton and torch each)."""
+    """The job queue, with `n` workers and their feeding threads started on first use (one import of triton and
+    torch a worker)."""
     with _LOCK:
         if _POOL["workers"] is None:
             try:
@@ -247,17 +252,16 @@ def _start(n: int):
             except OSError:
                 _POOL["broken"] = True
                 return None
-            _POOL["idle"] = queue.Queue()
-            for w in _POOL["workers"]:
-                _POOL["idle"].put(w)
-            _POOL["feeder"] = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="resfuse-precompile")
+            _POOL["jobs"] = queue.Queue()
+            for i, w in enumerate(_POOL["workers"]):
+                threading.Thread(target=_feed, args=(w, _POOL["jobs"]), name=f"resfuse-precompile-{i}",
+                                 daemon=True).start()
             atexit.register(_stop)
-        return _POOL["idle"]
+        return _POOL["jobs"]
 
 
 def _stop() -> None:
-    if _POOL["feeder"] is not None:
-        _POOL["feeder"].shutdown(wait=False, cancel_futures=True)
+    """At exit: the workers are killed, mid-compile or not (Triton writes its cache files whole, by rename)."""
     for w in _POOL["workers"] or ():
         w.close()
 

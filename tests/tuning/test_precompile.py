@@ -202,3 +202,24 @@ def test_scratch_keeps_a_views_layout_and_offset():
         s = precompile._scratch(v)
         assert (s.shape, s.stride(), s.storage_offset(), s.dtype) == (v.shape, v.stride(), v.storage_offset(),
                                                                        v.dtype)
+
+
+def test_a_dead_worker_resolves_every_queued_compile(monkeypatch):
+    """A worker that dies leaves no compile waited on forever: each queued future answers False, and the process
+    compiles on threads from then on."""
+    import concurrent.futures
+    import queue
+    import threading
+
+    class Dead:
+        def ask(self, spec):
+            raise EOFError("the compile worker exited")
+
+    monkeypatch.setitem(precompile._POOL, "broken", False)
+    jobs = queue.Queue()
+    threading.Thread(target=precompile._feed, args=(Dead(), jobs), daemon=True).start()
+    futures = [concurrent.futures.Future() for _ in range(3)]
+    for f in futures:
+        jobs.put(({}, f))
+    assert [f.result(timeout=30) for f in futures] == [False] * 3
+    assert precompile._POOL["broken"]
