@@ -89,6 +89,13 @@ PARENT = textwrap.dedent('''
         assert specs[0]["target"] == target and specs[0]["constants"]
         assert worker.ask(specs[0]) is True
         assert triton.knobs.runtime.jit_cache_hook is None  # the hook is taken down again
+
+        # the pool: precompile() records, queues on its own worker (a feeding thread) and waits
+        kernels.set_options(compile_workers=1)
+        assert precompile.precompile([launch]) == 1
+        assert len(precompile._POOL["workers"]) == 1 and not precompile._POOL["broken"]
+        assert precompile.precompile([launch]) == 1  # the same kernel: its first future, not a second compile
+        assert len(precompile._QUEUED) == 1
     finally:
         worker.close()
     print("ok")
