@@ -1,7 +1,8 @@
 """The tuner's Triton kernels compiled in worker processes, ahead of their first launch.
 
 Entry points: `ahead(gm)`, which the backend calls once a graph is rewritten, before its first run: every fused
-conv and GEMM of the graph that will be tuned has its candidates' kernels queued for the workers at once;
+conv, GEMM and conv data gradient of the graph that will be tuned has its candidates' kernels queued for the
+workers at once;
 `precompile(fns)`, which choose.compile_in_parallel calls before it launches each candidate once: it waits for
 those kernels (queuing any not queued yet). `python -m resfuse.tuning.precompile` is the worker.
 
@@ -63,9 +64,9 @@ def precompile(fns) -> int:
 
 
 def ahead(gm) -> int:
-    """Queue the candidates' kernels of every fused conv2d and gemm in `gm` that the tuner will measure, without
-    waiting; returns how many were queued. Each op's call is built from the graph's shapes on scratch tensors,
-    one op at a time (freed before the next). Ops with a dynamic dim are left to `precompile`."""
+    """Queue the candidates' kernels of every fused conv2d, gemm and conv2d_dgrad in `gm` that the tuner will
+    measure, without waiting; returns how many were queued. Each op's call is built from the graph's shapes on
+    scratch tensors, one op at a time (freed before the next). Ops with a dynamic dim are left to `precompile`."""
     from .choose import _off_thread, level_now
 
     devices = {v.device for n in gm.graph.nodes if (v := n.meta.get("val")) is not None
@@ -102,14 +103,14 @@ def _queue_graph(gm) -> int:
 
 
 def _calls(gm, wanted=lambda call: True, device_type: str = "cuda"):
-    """The tuner's Call of each fused conv2d / gemm node of `gm` with static shapes on `device_type`, on scratch
-    tensors, where `wanted` accepts the same call on the graph's fake tensors."""
+    """The tuner's Call of each fused conv2d, gemm and conv2d_dgrad node of `gm` with static shapes on
+    `device_type`, on scratch tensors, where `wanted` accepts the same call on the graph's fake tensors."""
     import torch
 
-    from ..ops import fused
     from ..passes import legality
 
-    targets = {torch.ops.resfuse.conv2d.default: "conv2d", torch.ops.resfuse.gemm.default: "gemm"}
+    targets = {torch.ops.resfuse.conv2d.default: "conv2d", torch.ops.resfuse.gemm.default: "gemm",
+               torch.ops.resfuse.conv2d_dgrad.default: "conv2d_dgrad"}
     for node in gm.graph.nodes:
         op = targets.get(node.target) if node.op == "call_function" else None
         if op is None or node.args[-1] != "triton":
@@ -118,11 +119,22 @@ def _calls(gm, wanted=lambda call: True, device_type: str = "cuda"):
         if any(v is None or v.device.type != device_type
                or not all(isinstance(d, int) for d in (*v.shape, *v.stride(), v.storage_offset())) for v in vals):
             continue
-        params = tuple(node.args[4:-1])
-        if not wanted(fused.call_of(op, tuple(vals[:2]), vals[2:], node.args[3], params)):
+        if not wanted(_call(op, vals, node.args[3], tuple(node.args[4:-1]))):
             continue
-        scratch = [_scratch(v) for v in vals]
-        yield fused.call_of(op, tuple(scratch[:2]), scratch[2:], node.args[3], params)
+        yield _call(op, [_scratch(v) for v in vals], node.args[3], tuple(node.args[4:-1]))
+
+
+def _call(op: str, tensors: list, epilogue: str, params: tuple):
+    """The Call the op builds when it runs (ops/fused.py, ops/training.py), on these tensors: its two inputs,
+    then its epilogue operands."""
+    from ..ops import fused, training
+    from .choose import Call
+
+    if op != "conv2d_dgrad":
+        return fused.call_of(op, tuple(tensors[:2]), tensors[2:], epilogue, params)
+    input_shape, stride, padding, dilation = params
+    return Call(op, tuple(tensors[:2]), tensors[2:], epilogue, (list(stride), list(padding), list(dilation)),
+                training.dgrad_out(*tensors[:2], input_shape))
 
 
 def _scratch(v):

@@ -230,3 +230,21 @@ def test_a_dead_worker_resolves_every_queued_compile(monkeypatch):
         jobs.put(({}, f))
     assert [f.result(timeout=30) for f in futures] == [False] * 3
     assert precompile._POOL["broken"]
+
+
+def test_a_data_gradients_call_from_the_graph():
+    """A training backward's fused data gradient gets the Call its op builds (ops/training.py)."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from resfuse.ops import training
+
+    kernels.set_options(interpret=True)
+    g, w = torch.randn(2, 6, 5, 5), torch.randn(6, 4, 3, 3)
+    dgrad = torch.ops.resfuse.conv2d_dgrad.default
+    gm = make_fx(lambda g, w: dgrad(g, w, [], "acc", [2, 4, 5, 5], [1, 1], [1, 1], [1, 1], "triton"),
+                 tracing_mode="fake")(g, w)
+    (call,) = precompile._calls(gm, device_type="cpu")
+    assert call.op == "conv2d_dgrad" and call.params == ([1, 1], [1, 1], [1, 1]) and call.signature == "acc"
+    assert call.out == training.dgrad_out(g, w, [2, 4, 5, 5])
+    assert [tuple(t.shape) for t in call.inputs] == [(2, 6, 5, 5), (6, 4, 3, 3)]
