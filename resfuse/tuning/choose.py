@@ -258,6 +258,12 @@ def tune(call: Call, *, bench, level: str, budget_s: float = float("inf"), repor
     return Entry(outcome.winner.provider, outcome.winner.config, top)
 
 
+def triton_launches(candidates: list) -> list:
+    """Every callable of the Triton candidates: each with its epilogue, without it, and each of its variants."""
+    return [f for c in candidates if c.provider == "triton"
+            for f in (c.mainloop, c.run, *(v.run for v in c.variants)) if f is not None]
+
+
 def compile_in_parallel(candidates: list, device: torch.device) -> None:
     """Build every Triton candidate's kernels at once, before any is timed: first on worker processes
     (precompile.py: a dry run records each kernel, the workers compile it into Triton's disk cache), then each is
@@ -268,8 +274,7 @@ def compile_in_parallel(candidates: list, device: torch.device) -> None:
     A failure here is ignored: select() meets it again and records why."""
     if device.type != "cuda":
         return  # under the interpreter nothing is compiled, and the interpreter is not thread-safe
-    jobs = [f for c in candidates if c.provider == "triton"
-            for f in (c.mainloop, c.run, *(v.run for v in c.variants)) if f is not None]
+    jobs = triton_launches(candidates)
     if len(jobs) < 2:
         return
     precompile.precompile(jobs)  # their kernels into Triton's disk cache, on worker processes

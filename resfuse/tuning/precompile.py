@@ -83,7 +83,7 @@ def ahead(gm) -> int:
 
 def _queue_graph(gm) -> int:
     from .. import providers
-    from .choose import fast_key, level_now, needs_tuning
+    from .choose import fast_key, level_now, needs_tuning, triton_launches
 
     seen = set()
 
@@ -96,9 +96,7 @@ def _queue_graph(gm) -> int:
 
     queued = 0
     for call in _calls(gm, wanted):
-        jobs = [f for c in providers.triton.candidates(call, level_now())
-                for f in (c.mainloop, c.run, *(v.run for v in c.variants)) if f is not None]
-        queued += len(_queue(record(jobs)))
+        queued += len(_queue(record(triton_launches(providers.triton.candidates(call, level_now())))))
     return queued
 
 
