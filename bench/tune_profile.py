@@ -12,7 +12,10 @@ Triton kernel cache too) and runs it once, with the tuner's phases wrapped in wa
   whose engine is not built yet);
 - the rest of `tune` (every candidate's first run and its check against the reference, the selection);
 - every Triton compile (`triton.compiler.compile`), its wall time and its thread's CPU time summed: the CPU time
-  counts the compiler's own work in its thread (the GIL's share among it), not ptxas's subprocess.
+  counts the compiler's own work in its thread (the GIL's share among it), not ptxas's subprocess;
+- the kernels the workers were given against those the process then compiled or loaded (a jit_cache_hook that
+  declines nothing): the surplus (queued, never used) and the misses (used, never queued) by kernel, with how a
+  surplus specialisation differs from a used one of the same kernel.
 Prints the breakdown and writes it to DIR/tune_profile.json.
 """
 from __future__ import annotations
@@ -115,6 +118,14 @@ def main() -> None:
             compiles.append((time.monotonic() - start, time.thread_time() - cpu, threading.get_ident()))
 
     triton.compiler.compile = compile_timed
+    used = {}
+
+    def seen(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # every kernel this process builds
+        jit = fn.jit_function
+        used[(jit.fn.__module__, jit.fn.__name__, compile["specialization_data"])] = True
+        return False
+
+    triton.knobs.runtime.jit_cache_hook = seen  # precompile.record swaps in its own during a dry run
     model, example = models.load(args.model, args.batch, torch.float16, "cuda")
     compiled = resfuse.compile(model, cuda_graphs=False, tuning_budget_s=args.budget,
                                cache_dir=tempfile.mkdtemp(prefix="resfuse_profile_"))
@@ -127,14 +138,42 @@ def main() -> None:
     spent["triton compiles, thread CPU summed"] = sum(c[1] for c in compiles)
     counts["triton compiles, wall summed"] = counts["triton compiles, thread CPU summed"] = len(compiles)
     rows = {k: {"s": round(v, 2), "calls": counts[k]} for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
+    queue_check = _queued_against_used(set(precompile._QUEUED), set(used))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "tune_profile.json"), "w") as f:
         json.dump({"model": args.model, "batch": args.batch, "cold_triton": args.cold_triton, "first_call_s": wall,
-                   "phases": rows}, f, indent=1)
+                   "phases": rows, "queued_vs_used": queue_check}, f, indent=1)
     print(f"\n{args.model} bs{args.batch}{' (cold Triton cache)' if args.cold_triton else ''}: first call "
           f"{wall:.1f} s; ops tuned {counts['tune']}")
     for name, r in rows.items():
         print(f"  {name:34} {r['s']:8.2f} s  {r['calls']:6} calls")
+    print(f"kernels queued {queue_check['queued']}, used {queue_check['used']}; surplus by kernel "
+          f"{queue_check['surplus']}; missed by kernel {queue_check['missed']}")
+    for name, diff in queue_check["surplus_differs_in"].items():
+        print(f"  a surplus {name} differs from a used one in {diff}")
+
+
+def _queued_against_used(queued: set, used: set) -> dict:
+    """Which queued kernels the process never used, and which it used without queuing them, counted by kernel
+    name; for each surplus kernel name, the specialisation fields where one surplus kernel differs from the used
+    kernel of that name closest to it."""
+    def by_name(keys):
+        return dict(collections.Counter(name for _, name, _ in keys).most_common())
+
+    def fields(key):
+        return json.loads(key[2])
+
+    surplus, differs = queued - used, {}
+    for key in sorted(surplus):
+        same = [fields(u) for u in used if u[:2] == key[:2]]
+        if key[1] in differs or not same:
+            continue
+        mine = fields(key)
+        diffs = [{k: (mine.get(k), other.get(k)) for k in mine.keys() | other.keys() if mine.get(k) != other.get(k)}
+                 for other in same]
+        differs[key[1]] = min(diffs, key=len)
+    return {"queued": len(queued), "used": len(used), "surplus": by_name(surplus), "missed": by_name(used - queued),
+            "surplus_differs_in": {k: {f: str(v)[:300] for f, v in d.items()} for k, d in differs.items()}}
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The tuner's Triton kernels compiled in worker processes, ahead of their first launch.
 
 Entry points: `ahead(gm)`, which the backend calls once a graph is rewritten, before its first run: every fused
-conv, GEMM and conv data gradient of the graph that will be tuned has its candidates' kernels queued for the
-workers at once;
+op of the graph that will be tuned (conv, GEMM, conv data gradient, their aux and statistics forms, a chain of two
+1x1 convs and its two convs) has its candidates' kernels queued for the workers at once;
 `precompile(fns)`, which choose.compile_in_parallel calls before it launches each candidate once: it waits for
 those kernels (queuing any not queued yet). `python -m resfuse.tuning.precompile` is the worker.
 
@@ -64,9 +64,9 @@ def precompile(fns) -> int:
 
 
 def ahead(gm) -> int:
-    """Queue the candidates' kernels of every fused conv2d, gemm and conv2d_dgrad in `gm` that the tuner will
-    measure, without waiting; returns how many were queued. Each op's call is built from the graph's shapes on
-    scratch tensors, one op at a time (freed before the next). Ops with a dynamic dim are left to `precompile`."""
+    """Queue the candidates' kernels of every fused op in `gm` that the tuner will measure, without waiting; returns
+    how many were queued. Each op's calls are built from the graph's shapes on scratch tensors, one op at a time
+    (freed before the next). Ops with a dynamic dim are left to `precompile`."""
     from .choose import _off_thread, level_now
 
     devices = {v.device for n in gm.graph.nodes if (v := n.meta.get("val")) is not None
@@ -89,50 +89,71 @@ def _queue_graph(gm) -> int:
 
     def wanted(call) -> bool:  # on the graph's fake tensors: a warm start allocates nothing
         problem = fast_key(call)  # a repeated block's ops: one problem, tuned once
-        if problem in seen or not needs_tuning(call) or providers.triton.refusal(call) is not None:
+        if problem in seen or not needs_tuning(call):
             return False
         seen.add(problem)
         return True
 
     queued = 0
     for call in _calls(gm, wanted):
-        queued += len(_queue(record(triton_launches(providers.triton.candidates(call, level_now())))))
+        if providers.triton.refusal(call) is None:  # on the scratch tensors: the chain kernel's asks their addresses
+            queued += len(_queue(record(triton_launches(providers.triton.candidates(call, level_now())))))
     return queued
 
 
+FUSED_OPS = ("conv2d", "conv2d_aux", "gemm", "gemm_aux", "conv2d_dgrad", "conv2d_dgrad_stats", "conv2d_chain")
+
+
 def _calls(gm, wanted=lambda call: True, device_type: str = "cuda"):
-    """The tuner's Call of each fused conv2d, gemm and conv2d_dgrad node of `gm` with static shapes on
-    `device_type`, on scratch tensors, where `wanted` accepts the same call on the graph's fake tensors."""
+    """The tuner's Calls of each fused op node of `gm` that runs our kernels (provider "triton"), with static
+    shapes on `device_type`, on scratch tensors, where `wanted` accepts the same call on the graph's fake tensors.
+    A chain gives three, in the order it tunes them: its first conv, its second, then itself."""
     import torch
 
     from ..passes import legality
 
-    targets = {torch.ops.resfuse.conv2d.default: "conv2d", torch.ops.resfuse.gemm.default: "gemm",
-               torch.ops.resfuse.conv2d_dgrad.default: "conv2d_dgrad"}
+    ops = {getattr(torch.ops.resfuse, name).default: name for name in FUSED_OPS}
     for node in gm.graph.nodes:
-        op = targets.get(node.target) if node.op == "call_function" else None
-        if op is None or node.args[-1] != "triton":
+        name = ops.get(node.target) if node.op == "call_function" else None
+        if name is None or node.args[-1] != "triton":
             continue
-        vals = [legality.val(n) for n in (*node.args[:2], *node.args[2])]
-        if any(v is None or v.device.type != device_type
+        out = node.meta.get("val")
+        vals = [legality.val(n) for a in node.args for n in (a if isinstance(a, (list, tuple)) else [a])
+                if isinstance(n, torch.fx.Node)]
+        vals += list(out) if isinstance(out, (list, tuple)) else [out]
+        if any(not isinstance(v, torch.Tensor) or v.device.type != device_type
                or not all(isinstance(d, int) for d in (*v.shape, *v.stride(), v.storage_offset())) for v in vals):
             continue
-        if not wanted(_call(op, vals, node.args[3], tuple(node.args[4:-1]))):
-            continue
-        yield _call(op, [_scratch(v) for v in vals], node.args[3], tuple(node.args[4:-1]))
+        picks = [i for i, call in enumerate(_node_calls(name, node.args, out, lambda v: v)) if wanted(call)]
+        if picks:
+            made = {}  # one scratch tensor a value, shared by a chain's three calls
+            calls = _node_calls(name, node.args, out, lambda v: made.setdefault(id(v), _scratch(v)))
+            yield from (calls[i] for i in picks)
 
 
-def _call(op: str, tensors: list, epilogue: str, params: tuple):
-    """The Call the op builds when it runs (ops/fused.py, ops/training.py), on these tensors: its two inputs,
-    then its epilogue operands."""
-    from ..ops import fused, training
+def _node_calls(name: str, args: tuple, out, tensor) -> list:
+    """The Calls the op `name` builds when it first runs (ops/fused.py, ops/training.py, ops/chain.py), with each
+    of its node's values v (the arguments' and the outputs') as tensor(v)."""
+    from ..ops import chain, fused, training
+    from ..passes import legality
     from .choose import Call
 
-    if op != "conv2d_dgrad":
-        return fused.call_of(op, tuple(tensors[:2]), tensors[2:], epilogue, params)
-    input_shape, stride, padding, dilation = params
-    return Call(op, tuple(tensors[:2]), tensors[2:], epilogue, (list(stride), list(padding), list(dilation)),
-                training.dgrad_out(*tensors[:2], input_shape))
+    def arg(n):
+        return tensor(legality.val(n))
+
+    if name == "conv2d_chain":
+        x, w1, operands1, epilogue1, w2, operands2, epilogue2, _ = args
+        x, w1, w2, operands1, operands2 = arg(x), arg(w1), arg(w2), [*map(arg, operands1)], [*map(arg, operands2)]
+        return [fused.call_of("conv2d", (x, w1), operands1, epilogue1, chain.ONE),
+                fused.call_of("conv2d", (tensor(out[0]), w2), operands2, epilogue2, chain.ONE),
+                chain.call_of(x, w1, operands1, epilogue1, w2, operands2, epilogue2)]
+    inputs, operands, epilogue, params = (arg(args[0]), arg(args[1])), [*map(arg, args[2])], args[3], tuple(args[4:-1])
+    second = tensor(out[1]) if name.endswith(("_aux", "_stats")) else None  # the aux output, or the [2, C] sums
+    if name.startswith("conv2d_dgrad"):
+        input_shape, stride, padding, dilation = params
+        return [Call("conv2d_dgrad", inputs, operands, epilogue, (list(stride), list(padding), list(dilation)),
+                     training.dgrad_out(*inputs, input_shape), stats=second)]
+    return [fused.call_of(name.removesuffix("_aux"), inputs, operands, epilogue, params, aux=second)]
 
 
 def _scratch(v):

@@ -248,3 +248,70 @@ def test_a_data_gradients_call_from_the_graph():
     assert call.op == "conv2d_dgrad" and call.params == ([1, 1], [1, 1], [1, 1]) and call.signature == "acc"
     assert call.out == training.dgrad_out(g, w, [2, 4, 5, 5])
     assert [tuple(t.shape) for t in call.inputs] == [(2, 6, 5, 5), (6, 4, 3, 3)]
+
+
+def _same_problems(built, run) -> bool:
+    from resfuse.tuning import choose
+
+    return [choose.fast_key(c) for c in built] == [choose.fast_key(c) for c in run]
+
+
+def test_a_chains_three_calls_in_the_order_it_tunes_them(monkeypatch):
+    """A chain of two 1x1 convs gives its first conv's call, its second's (on y as the chain lays it out), then its
+    own: the problems its op builds on real tensors of the same layout, as choose sees them."""
+    import torch
+    import torch.nn.functional as F
+
+    from resfuse.ops import chain
+    from resfuse.tuning import choose
+    from tests.passes import helpers
+
+    kernels.set_options(interpret=True)
+
+    def fn(x, w1, b1, w2, b2):
+        y = torch.relu(F.conv2d(x, w1, b1))
+        return y, torch.relu(F.conv2d(y, w2, b2))
+
+    cl = torch.channels_last
+    args = (torch.randn(2, 16, 3, 5).half().contiguous(memory_format=cl), helpers.conv_w(16, 32, 1).half(),
+            torch.randn(32).half(), helpers.conv_w(32, 16, 1).half(), torch.randn(16).half())
+    gm, _ = helpers.run(fn, *args, providers=("triton", "aten"), interpret=True)
+    assert any(n.target == torch.ops.resfuse.conv2d_chain.default for n in gm.graph.nodes)
+    built = list(precompile._calls(gm, device_type="cpu"))
+    assert [c.op for c in built] == ["conv2d", "conv2d", "conv2d_chain"]
+    first, second, whole = built
+    assert second.inputs[0].shape == (2, 32, 3, 5) and second.inputs[0].is_contiguous(memory_format=cl)
+    assert whole.inputs[0] is first.inputs[0]  # one scratch tensor a graph value
+    seen = []
+    monkeypatch.setattr(choose, "choose", lambda call: seen.append(call) or choose.HEURISTIC)
+    chain.run_separate(whole)
+    assert _same_problems(built[:2], seen)
+    ops1, sig1, ops2, sig2 = chain.parts(whole)
+    real = chain.call_of(*(t.clone(memory_format=torch.preserve_format) for t in whole.inputs[:2]), list(ops1),
+                         sig1, whole.inputs[2].clone(), list(ops2), sig2)
+    assert _same_problems([whole], [real])
+
+
+def test_the_aux_and_statistics_forms_carry_their_second_output():
+    """conv2d_aux and gemm_aux calls carry a scratch aux output laid out as their node's, conv2d_dgrad_stats a
+    scratch [2, C] fp32 sums tensor, as their ops pass them to the tuner."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    kernels.set_options(interpret=True)
+    ops = torch.ops.resfuse
+    x, w, a, b, g = (torch.randn(2, 4, 5, 5), torch.randn(6, 4, 3, 3), torch.randn(3, 8), torch.randn(8, 16),
+                     torch.randn(2, 6, 5, 5))
+    aux_sig = "relu(aux(add(acc,c0)))"
+
+    def fn(x, w, c, a, b, d, g):
+        return (ops.conv2d_aux.default(x, w, [c], aux_sig, [1, 1], [1, 1], [1, 1], "triton"),
+                ops.gemm_aux.default(a, b, [d], aux_sig, [3, 16], "triton"),
+                ops.conv2d_dgrad_stats.default(g, w, [], "acc", [2, 4, 5, 5], [1, 1], [1, 1], [1, 1], "triton"))
+
+    gm = make_fx(fn, tracing_mode="fake")(x, w, torch.randn(6), a, b, torch.randn(16), g)
+    conv, gemm, dgrad = precompile._calls(gm, device_type="cpu")
+    assert (conv.op, gemm.op, dgrad.op) == ("conv2d", "gemm", "conv2d_dgrad")
+    assert conv.aux.shape == (2, 6, 5, 5) and gemm.aux.shape == (3, 16) and conv.stats is None
+    assert dgrad.stats.shape == (2, 4) and dgrad.stats.dtype == torch.float32 and dgrad.aux is None
+    assert conv.signature == aux_sig and tuple(dgrad.out.shape) == (2, 4, 5, 5)
