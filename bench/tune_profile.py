@@ -9,7 +9,7 @@ Triton kernel cache too) and runs it once, with the tuner's phases wrapped in wa
 - `_reference`, the fp32 reference;
 - `_bench`, each timed candidate (its CUDA-graph captures and replays), with the host time of the calls it makes;
 - the cuDNN provider's plans: the graph and heuristics (`Plan.__init__`), each engine config's build (a `run`
-  whose engine is not built yet);
+  whose engine is not built yet), and the wait for the compile workers' builds of them (`cudnn_built`);
 - the rest of `tune` (every candidate's first run and its check against the reference, the selection);
 - every Triton compile (`triton.compiler.compile`), its wall time and its thread's CPU time summed: the CPU time
   counts the compiler's own work in its thread (the GIL's share among it), not ptxas's subprocess;
@@ -39,11 +39,13 @@ def main() -> None:
     p.add_argument("--model", default="mobilenet_v3_large")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--budget", type=float, default=600.0)
-    p.add_argument("--cold-triton", action="store_true", help="a fresh Triton kernel cache (TRITON_CACHE_DIR)")
+    p.add_argument("--cold-triton", action="store_true",
+                   help="a fresh Triton kernel cache (TRITON_CACHE_DIR) and CUDA JIT cache (CUDA_CACHE_PATH)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
-    if args.cold_triton:
+    if args.cold_triton:  # and a cold CUDA driver JIT cache, where cuDNN's runtime-compiled kernels go
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton_cold_")
+        os.environ["CUDA_CACHE_PATH"] = tempfile.mkdtemp(prefix="cuda_cold_")
     import resfuse
     from resfuse.bench import models
     from resfuse.providers import cudnn
@@ -73,6 +75,7 @@ def main() -> None:
         return n
 
     precompile.precompile = timed("precompile: dry run + workers", precompiled)
+    precompile.cudnn_built = timed("cudnn: wait for the workers' builds", precompile.cudnn_built)
     original_ahead = precompile.ahead
 
     def ahead(gm):

@@ -444,3 +444,74 @@ def test_folded_bn_follows_in_place_updates_under_cuda_graph_replay():
         ops[1].add_(1.0)
     got = graphed([x, w, *ops])[0]
     assert rel(got, _reference64(x, w, ops, BN_RELU, params, out)) < 4e-3
+
+
+# ---- engine configs built by compile workers (tuning/precompile.py) --------------------------------------------------
+def test_the_folded_form_is_the_folded_calls_layout():
+    """What a worker builds the folded graph from, without the data: the folded call's signature, operands and
+    weight, in shape, strides and dtype."""
+    cl = torch.channels_last
+    x, w = torch.randn(2, 4, 5, 5).half().contiguous(memory_format=cl), torch.randn(6, 4, 3, 3).half()
+    call = Call("conv2d", (x, w.contiguous(memory_format=cl)), _bn_vectors(6), BN_RELU, ([1, 1], [1, 1], [1, 1]),
+                Output.of([2, 6, 5, 5], torch.float16, torch.device("cpu"), cl))
+    folded, form = fold_bn.folded_call(call), fold_bn.folded_form(call)
+
+    def layout(c):
+        return c.signature, [(tuple(t.shape), t.stride(), t.dtype) for t in (*c.inputs, *c.operands)]
+    assert layout(form) == layout(folded) and form.signature != call.signature
+
+
+def test_a_workers_build_spec_rebuilds_the_graph_candidates_would_make(monkeypatch):
+    """build_spec -> (pickled, as the worker receives it) -> build_engine: the plan is made from meta tensors laid
+    out as the call's, folded where the fold is offered and written out where cuDNN does not support it folded, and
+    the spec's engine config is built; none past the ranked list's end."""
+    import pickle
+
+    made, built = [], []
+
+    class FakePlan:
+        def __init__(self, call):
+            made.append(call)
+            if "unsupported" in built and call.signature != BN_RELU:
+                raise RuntimeError("no engine for the folded graph")
+            self.engines = ["eng0", "eng1"]
+            self.graph = type("G", (), {"build_plan_at_index": lambda _, i: built.append(i)})()
+
+    monkeypatch.setattr(cudnn, "refusal", lambda call: None)
+    monkeypatch.setattr(cudnn, "Plan", FakePlan)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    x, w = torch.randn(2, 4, 5, 5).half(), torch.randn(6, 4, 3, 3).half()
+    call = Call("conv2d", (x, w), _bn_vectors(6), BN_RELU, ([1, 1], [1, 1], [1, 1]),
+                Output.of([2, 6, 5, 5], torch.float16, torch.device("cpu")))
+    spec = pickle.loads(pickle.dumps(cudnn.build_spec(call, "fast")))
+    assert spec["engines"] == cudnn.ENGINES["fast"] and spec["fold"] and spec["kind"] == "cudnn"
+    assert cudnn.build_spec(call, "max") is None  # their number is the graph's
+    assert cudnn.build_engine(dict(spec, index=1)) and built == [1]
+    (plan_call,) = made
+    assert plan_call.signature == fold_bn.folded_form(call).signature
+    assert all(t.device.type == "meta" for t in (*plan_call.inputs, *plan_call.operands))
+    assert [(t.shape, t.stride(), t.dtype) for t in plan_call.inputs] == [(t.shape, t.stride(), t.dtype)
+                                                                          for t in call.inputs]
+    assert not cudnn.build_engine(dict(spec, index=2)) and built == [1]  # the list has 2
+    built[:], made[:] = ["unsupported"], []
+    assert cudnn.build_engine(dict(spec, index=0)) and [c.signature for c in made] == [
+        fold_bn.folded_form(call).signature, BN_RELU]
+    made[:] = []
+    assert cudnn.build_engine(dict(spec, fold=False, index=0)) and [c.signature for c in made] == [BN_RELU]
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or cudnn._cudnn() is None,
+                    reason="needs a CUDA GPU and nvidia-cudnn-frontend (run on the GPU machine)")
+def test_a_compile_worker_builds_an_engine_config():
+    """A real worker process builds the first engine config of a folded conv + batch norm + relu graph."""
+    from resfuse.tuning import precompile
+
+    x, w, ops, params, out = _bn_conv_case((4, 64, 14, 14), 96, 3, 1, BN_RELU)
+    spec = cudnn.build_spec(Call("conv2d", (x, w), ops, BN_RELU, params, out), "fast")
+    worker = precompile._Worker()
+    try:
+        assert worker.ask(dict(spec, index=0)) is True
+        assert worker.ask(dict(spec, index=10 ** 6)) is False
+    finally:
+        worker.close()

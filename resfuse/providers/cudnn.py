@@ -32,7 +32,7 @@ import torch
 
 from .. import epilogue as epi
 from ..tuning.select import Candidate
-from .fold_bn import fold_refusal, folded_call
+from .fold_bn import fold_refusal, folded_call, folded_form
 
 UNARY = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_approx_tanh", "sigmoid": "sigmoid", "tanh": "tanh",
          "silu": "swish"}
@@ -301,6 +301,51 @@ def candidates(call, level: str) -> list[Candidate]:
         found.append(Candidate("cudnn", f"{name}:{engine}", config,
                                lambda config=config: run(call, scratch, config)))
     return found
+
+
+def build_spec(call, level: str) -> dict | None:
+    """What a compile worker needs to build the engine configs that `candidates` offers for `call`
+    (tuning/precompile.py): the call's shapes, strides and dtypes (no data), whether its batch norm is folded, how
+    many engine configs the level times, the device. None where the provider refuses the call or the level times
+    every engine config (their number is known only from the graph)."""
+    if refusal(call) is not None or ENGINES[level] is None:
+        return None
+
+    def layout(t):
+        return tuple(t.shape), tuple(t.stride()), t.dtype
+
+    return {"kind": "cudnn", "op": call.op, "inputs": [layout(t) for t in call.inputs],
+            "operands": [layout(t) for t in call.operands], "signature": call.signature, "params": call.params,
+            "out": call.out, "fold": fold_refusal(call) is None, "engines": ENGINES[level],
+            "device": call.out.device.index}
+
+
+def build_engine(spec: dict) -> bool:
+    """In a compile worker: build engine config spec["index"] of the graph `candidates` would make from the spec
+    (folded where the fold is offered and cuDNN supports it), on meta tensors. Its runtime-compiled kernel lands in
+    the CUDA driver's JIT cache on disk, where the tuning process's own build of the same graph finds it. False
+    where there is no such engine config."""
+    from ..tuning.choose import Call
+
+    torch.cuda.set_device(spec["device"])
+
+    def meta(layout):
+        return torch.empty_strided(layout[0], layout[1], dtype=layout[2], device="meta")
+
+    call = Call(spec["op"], tuple(map(meta, spec["inputs"])), [*map(meta, spec["operands"])], spec["signature"],
+                spec["params"], spec["out"])
+    for fold in (True, False) if spec["fold"] else (False,):
+        try:
+            plan = Plan(folded_form(call) if fold else call)
+            break
+        except Exception:  # noqa: BLE001  not supported folded: candidates() offers the written-out graph then
+            continue
+    else:
+        return False
+    if spec["index"] >= len(plan.engines):
+        return False
+    plan.graph.build_plan_at_index(spec["index"])
+    return True
 
 
 class StatsPlan:

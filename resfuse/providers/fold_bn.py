@@ -1,7 +1,8 @@
 """The inference batch norm folded into a conv's weight, for the cudnn provider (providers/cudnn.py).
 
 Entry points: `fold_refusal(call)`, `folded_call(call)` (the call with its weight folded and its epilogue's bn node
-replaced by a shift, or None while that fold overflows the weight's dtype), and for a CUDA-graphed inference graph
+replaced by a shift, or None while that fold overflows the weight's dtype), `folded_form(call)` (its shapes alone),
+and for a CUDA-graphed inference graph
 `recording_folds()` and `FoldWatch` (capture/cuda_graphs.py), which keep the folded weights in step with in-place
 updates of the parameters. Folded, cuDNN runs conv + shift + relu at the bare conv's speed (its ConvBiasAct
 engines; bench/cudnn_check.py --forms), where the batch norm written out runs slower.
@@ -86,7 +87,7 @@ _RECORDING: list[list] = []  # the lists recording_folds() fills
 def folded_call(call):
     """`call` with its conv's batch norm folded: the folded weight, the epilogue's bn node replaced by a shift
     (a new last operand, fp32); its Fold made or refreshed. None while the folded weight overflows its dtype."""
-    tree, bn = epi.fold_bn(epi.parse(call.signature), len(call.operands))
+    _, bn = epi.fold_bn(epi.parse(call.signature), len(call.operands))
     w = call.inputs[1]
     sources = (w, *(call.operands[o.slot] for o in bn.args[1:]))
     key = (tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in sources), bn.params[0])
@@ -101,7 +102,17 @@ def folded_call(call):
         return None
     for used in _RECORDING:
         used.append(fold)
-    return dataclasses.replace(call, inputs=(call.inputs[0], fold.w), operands=[*call.operands, fold.shift],
+    return folded_form(call, fold.w, fold.shift)
+
+
+def folded_form(call, w: torch.Tensor | None = None, shift: torch.Tensor | None = None):
+    """`call` as folded_call gives it, with `w` as its weight and `shift` as its new last operand; without them, an
+    unfolded weight and an empty shift: the folded call's shapes and dtypes, for a graph built from them alone (a
+    compile worker's, providers/cudnn.py)."""
+    tree, _ = epi.fold_bn(epi.parse(call.signature), len(call.operands))
+    w = call.inputs[1] if w is None else w
+    shift = torch.empty(w.shape[0], dtype=torch.float32, device=w.device) if shift is None else shift
+    return dataclasses.replace(call, inputs=(call.inputs[0], w), operands=[*call.operands, shift],
                                signature=str(tree))
 
 

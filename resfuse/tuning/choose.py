@@ -235,6 +235,7 @@ def tune(call: Call, *, bench, level: str, budget_s: float = float("inf"), repor
         candidates = providers.candidates(call, level)
         if attempt == 1:
             compile_in_parallel(candidates, call.out.device)
+            precompile.cudnn_built(call, level)  # its engine configs built on worker processes
         outcome = select.select(candidates, reference, bench=bench,
                                 tol=TOLERANCE[call.inputs[0].dtype], top_k=2 if level == "fast" else 4,
                                 budget_s=budget_s)

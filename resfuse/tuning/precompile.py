@@ -41,10 +41,12 @@ import subprocess
 import sys
 import threading
 
-_POOL: dict = {"workers": None, "jobs": None, "broken": False}
+# a pool of workers per kind of job: Triton compiles (no GPU context), cuDNN engine builds (a GPU context each)
+_POOLS: dict = {kind: {"workers": None, "jobs": None, "broken": False} for kind in ("triton", "cudnn")}
 _LOCK = threading.Lock()
-_QUEUED: dict = {}  # a kernel's specialisation -> the future of its compile on a worker
+_QUEUED: dict = {}  # a kernel's specialisation, or ("cudnn", problem, engine index) -> the future of its build
 WAIT_S = 300.0  # how long an op waits for its kernels' compiles (one took 1-3 s on an H100 host)
+CUDNN_WORKERS = 4  # at most: each holds a CUDA context (a few hundred MB of GPU memory) while the process lives
 
 
 def workers_wanted() -> int:
@@ -56,7 +58,7 @@ def workers_wanted() -> int:
 def precompile(fns) -> int:
     """Compile in worker processes every Triton kernel the callables would launch (those queued already by
     `ahead` are waited for); returns how many compiled."""
-    if workers_wanted() == 0 or _POOL["broken"]:
+    if workers_wanted() == 0 or _POOLS["triton"]["broken"]:
         return 0
     futures = _queue(record(fns))
     done, _ = concurrent.futures.wait(futures, timeout=WAIT_S)  # past it, the threads compile what is missing
@@ -71,7 +73,7 @@ def ahead(gm) -> int:
 
     devices = {v.device for n in gm.graph.nodes if (v := n.meta.get("val")) is not None
                and getattr(v, "device", None) is not None and v.device.type == "cuda"}
-    if workers_wanted() == 0 or _POOL["broken"] or not devices or level_now() == "none":
+    if workers_wanted() == 0 or _POOLS["triton"]["broken"] or not devices or level_now() == "none":
         return 0
     device = min(devices, key=str)
     queued = _off_thread(device, _queue_graph, gm)  # its scratch off the caller's thread, as tuning's
@@ -98,7 +100,31 @@ def _queue_graph(gm) -> int:
     for call in _calls(gm, wanted):
         if providers.triton.refusal(call) is None:  # on the scratch tensors: the chain kernel's asks their addresses
             _queue(record(triton_launches(providers.triton.candidates(call, level_now()))))
+        _queue_cudnn(call, level_now())
     return len(_QUEUED) - before  # distinct kernels: problems share some (MobileNetV3 bs32: 730 for 989 futures)
+
+
+def cudnn_built(call, level: str) -> None:
+    """Before the tuner times the cudnn provider's candidates for `call`: its engine configs built by the workers
+    (queued now unless `ahead` queued them), so that the candidates' own builds load the kernels from the CUDA
+    driver's JIT cache. A cold ResNet-50 bs32 tuning spent 33 of its 89 s building them one by one in the tuning
+    process; on threads they did not overlap (bench/cudnn_build_threads.py: 52 s on 1 thread, 62 on 8). A second
+    process found them in the driver's cache (CUDA_CACHE_PATH) in 3 s."""
+    if workers_wanted() and not _POOLS["cudnn"]["broken"]:
+        concurrent.futures.wait(_queue_cudnn(call, level), timeout=WAIT_S)
+
+
+def _queue_cudnn(call, level: str) -> list:
+    """The futures of the workers' builds of each engine config the level times for `call`, a job each."""
+    from .. import providers
+    from .choose import fast_key
+
+    spec = providers.cudnn.build_spec(call, level)
+    if spec is None:
+        return []
+    problem = fast_key(call)
+    return _queue([dict(spec, index=i) for i in range(spec["engines"])], "cudnn",
+                  lambda s: ("cudnn", problem, s["index"]))
 
 
 FUSED_OPS = ("conv2d", "conv2d_aux", "gemm", "gemm_aux", "conv2d_dgrad", "conv2d_dgrad_stats", "conv2d_chain")
@@ -166,15 +192,16 @@ def _scratch(v):
     return base.as_strided(v.shape, v.stride(), v.storage_offset())
 
 
-def _queue(specs) -> list:
+def _queue(specs, kind: str = "triton", key_of=lambda s: (s["module"], s["name"], s["specialization"])) -> list:
     """Each spec's compile future: the one queued before for the same kernel, or a new one."""
-    jobs = _start(workers_wanted()) if specs else None
+    n = workers_wanted() if kind == "triton" else min(CUDNN_WORKERS, workers_wanted())
+    jobs = _start(kind, n) if specs else None
     if jobs is None:
         return []
     futures = []
     with _LOCK:
         for spec in specs:
-            key = (spec["module"], spec["name"], spec["specialization"])
+            key = key_of(spec)
             if key not in _QUEUED:
                 _QUEUED[key] = concurrent.futures.Future()
                 jobs.put((spec, _QUEUED[key]))
@@ -182,18 +209,18 @@ def _queue(specs) -> list:
     return futures
 
 
-def _feed(worker, jobs: queue.Queue) -> None:
+def _feed(worker, jobs: queue.Queue, pool: dict) -> None:
     """A daemon thread's loop: hand its worker the queued specs one by one. Daemon threads, so that compiles still
     queued (an op the budget left untuned) never hold up the interpreter's exit."""
     while True:
         spec, future = jobs.get()
-        if _POOL["broken"]:
+        if pool["broken"]:
             future.set_result(False)
             continue
         try:
             future.set_result(worker.ask(spec))
         except Exception:  # noqa: BLE001  a dead worker: this process compiles on threads from now on
-            _POOL["broken"] = True
+            pool["broken"] = True
             future.set_result(False)
 
 
@@ -273,27 +300,31 @@ class _Worker:
         self.proc.wait()
 
 
-def _start(n: int):
-    """The job queue, with `n` workers and their feeding threads started on first use (one import of triton and
-    torch a worker)."""
+def _start(kind: str, n: int):
+    """The job queue of a kind of job, with `n` workers and their feeding threads started on first use (one import
+    of triton and torch a worker)."""
+    pool = _POOLS[kind]
     with _LOCK:
-        if _POOL["workers"] is None:
+        if pool["broken"]:
+            return None
+        if pool["workers"] is None:
             try:
-                _POOL["workers"] = [_Worker() for _ in range(n)]
+                pool["workers"] = [_Worker() for _ in range(n)]
             except OSError:
-                _POOL["broken"] = True
+                pool["broken"] = True
                 return None
-            _POOL["jobs"] = queue.Queue()
-            for i, w in enumerate(_POOL["workers"]):
-                threading.Thread(target=_feed, args=(w, _POOL["jobs"]), name=f"resfuse-precompile-{i}",
+            pool["jobs"] = queue.Queue()
+            for i, w in enumerate(pool["workers"]):
+                threading.Thread(target=_feed, args=(w, pool["jobs"], pool), name=f"resfuse-{kind}-{i}",
                                  daemon=True).start()
-            atexit.register(_stop)
-        return _POOL["jobs"]
+            atexit.register(_stop, pool)
+        return pool["jobs"]
 
 
-def _stop() -> None:
-    """At exit: the workers are killed, mid-compile or not (Triton writes its cache files whole, by rename)."""
-    for w in _POOL["workers"] or ():
+def _stop(pool: dict) -> None:
+    """At exit: the workers are killed, mid-compile or not (Triton writes its cache files whole, by rename; the
+    CUDA driver its JIT cache's entries likewise)."""
+    for w in pool["workers"] or ():
         w.close()
 
 
@@ -312,7 +343,11 @@ def _receive(stream):
 
 
 def compile_spec(spec: dict) -> bool:
-    """In a worker: compile one recorded kernel into Triton's on-disk cache."""
+    """In a worker: compile one recorded kernel into Triton's on-disk cache, or build one cuDNN engine config."""
+    if spec.get("kind") == "cudnn":
+        from ..providers import cudnn
+
+        return cudnn.build_engine(spec)
     import triton
     from triton.compiler import ASTSource, make_backend
 

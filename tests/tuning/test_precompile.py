@@ -93,7 +93,7 @@ PARENT = textwrap.dedent('''
         # the pool: precompile() records, queues on its own worker (a feeding thread) and waits
         kernels.set_options(compile_workers=1)
         assert precompile.precompile([launch]) == 1
-        assert len(precompile._POOL["workers"]) == 1 and not precompile._POOL["broken"]
+        assert len(precompile._POOLS["triton"]["workers"]) == 1 and not precompile._POOLS["triton"]["broken"]
         assert precompile.precompile([launch]) == 1  # the same kernel: its first future, not a second compile
         assert len(precompile._QUEUED) == 1
     finally:
@@ -116,13 +116,13 @@ def test_worker_compiles_what_the_parent_then_finds(tmp_path):
 def test_switched_off_or_broken_records_nothing(monkeypatch):
     """compile_workers=0, or a pool that broke earlier in the process: no dry run (the callables never run)."""
     ran = []
-    monkeypatch.setitem(precompile._POOL, "broken", False)
+    monkeypatch.setitem(precompile._POOLS["triton"], "broken", False)
     kernels.set_options(compile_workers=0)
     try:
         assert precompile.precompile([lambda: ran.append(1)]) == 0
     finally:
         kernels.set_options(compile_workers=None)
-    monkeypatch.setitem(precompile._POOL, "broken", True)
+    monkeypatch.setitem(precompile._POOLS["triton"], "broken", True)
     assert precompile.precompile([lambda: ran.append(1)]) == 0
     assert ran == []
 
@@ -223,14 +223,14 @@ def test_a_dead_worker_resolves_every_queued_compile(monkeypatch):
         def ask(self, spec):
             raise EOFError("the compile worker exited")
 
-    monkeypatch.setitem(precompile._POOL, "broken", False)
+    monkeypatch.setitem(precompile._POOLS["triton"], "broken", False)
     jobs = queue.Queue()
-    threading.Thread(target=precompile._feed, args=(Dead(), jobs), daemon=True).start()
+    threading.Thread(target=precompile._feed, args=(Dead(), jobs, precompile._POOLS["triton"]), daemon=True).start()
     futures = [concurrent.futures.Future() for _ in range(3)]
     for f in futures:
         jobs.put(({}, f))
     assert [f.result(timeout=30) for f in futures] == [False] * 3
-    assert precompile._POOL["broken"]
+    assert precompile._POOLS["triton"]["broken"]
 
 
 def test_a_data_gradients_call_from_the_graph():
@@ -316,3 +316,36 @@ def test_the_aux_and_statistics_forms_carry_their_second_output():
     assert conv.aux.shape == (2, 6, 5, 5) and gemm.aux.shape == (3, 16) and conv.stats is None
     assert dgrad.stats.shape == (2, 4) and dgrad.stats.dtype == torch.float32 and dgrad.aux is None
     assert conv.signature == aux_sig and tuple(dgrad.out.shape) == (2, 4, 5, 5)
+
+
+def test_cudnn_engine_configs_are_queued_a_job_each_and_waited_for(monkeypatch):
+    """Each op the tuner will measure has one cuDNN build job an engine config the level times, on the cudnn pool,
+    queued once however often it is asked for; cudnn_built waits for those of its call."""
+    import concurrent.futures
+
+    from resfuse import providers
+    from resfuse.tuning import choose
+
+    calls = list(precompile._calls(_graph(), device_type="cpu"))
+    monkeypatch.setattr(precompile, "_calls", lambda gm, wanted: (c for c in calls if wanted(c)))
+    monkeypatch.setattr(choose, "needs_tuning", lambda call: True)
+    monkeypatch.setattr(precompile, "record", lambda fns: [])
+    monkeypatch.setattr(providers.cudnn, "build_spec", lambda call, level: None if call.op == "gemm" else {
+        "kind": "cudnn", "engines": 3, "op": call.op})
+    monkeypatch.setattr(precompile, "_QUEUED", {})
+    started, jobs = [], []
+    monkeypatch.setattr(precompile, "_start", lambda kind, n: started.append((kind, n)) or type(
+        "Q", (), {"put": lambda _, job: jobs.append(job)})())
+    kernels.set_options(compile_workers=8)
+    try:
+        assert precompile._queue_graph(None) == 3
+        assert set(started) == {("cudnn", precompile.CUDNN_WORKERS)}
+        assert [spec["index"] for spec, _ in jobs] == [0, 1, 2] and all(s["op"] == "conv2d" for s, _ in jobs)
+        for _, future in jobs:
+            future.set_result(True)
+        waited = []
+        monkeypatch.setattr(concurrent.futures, "wait", lambda fs, timeout: waited.append(list(fs)))
+        precompile.cudnn_built(calls[0], "fast")  # queued by the graph: waited for, not queued again
+        assert len(jobs) == 3 and waited == [[f for _, f in jobs]]
+    finally:
+        kernels.set_options(compile_workers=None)
