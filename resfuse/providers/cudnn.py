@@ -317,7 +317,7 @@ def build_spec(call, level: str) -> dict | None:
     return {"kind": "cudnn", "op": call.op, "inputs": [layout(t) for t in call.inputs],
             "operands": [layout(t) for t in call.operands], "signature": call.signature, "params": call.params,
             "out": call.out, "fold": fold_refusal(call) is None, "engines": ENGINES[level],
-            "device": call.out.device.index}
+            "device": torch.cuda.current_device() if call.out.device.index is None else call.out.device.index}
 
 
 def build_engine(spec: dict) -> bool:
