@@ -317,7 +317,7 @@ def build_spec(call, level: str) -> dict | None:
     return {"kind": "cudnn", "op": call.op, "inputs": [layout(t) for t in call.inputs],
             "operands": [layout(t) for t in call.operands], "signature": call.signature, "params": call.params,
             "out": call.out, "fold": fold_refusal(call) is None, "engines": ENGINES[level],
-            "device": torch.cuda.current_device() if call.out.device.index is None else call.out.device.index}
+            "device": call.out.device.index}
 
 
 def build_engine(spec: dict) -> bool:
@@ -327,7 +327,8 @@ def build_engine(spec: dict) -> bool:
     where there is no such engine config."""
     from ..tuning.choose import Call
 
-    torch.cuda.set_device(spec["device"])
+    if spec["device"] is not None:  # a tensor's device always has its index; a bare "cuda" is the current one
+        torch.cuda.set_device(spec["device"])
 
     def meta(layout):
         return torch.empty_strided(layout[0], layout[1], dtype=layout[2], device="meta")
