@@ -46,7 +46,8 @@ _POOLS: dict = {kind: {"workers": None, "jobs": None, "broken": False} for kind 
 _LOCK = threading.Lock()
 _QUEUED: dict = {}  # a kernel's specialisation, or ("cudnn", problem, engine index) -> the future of its build
 WAIT_S = 300.0  # how long an op waits for its kernels' compiles (one took 1-3 s on an H100 host)
-CUDNN_WORKERS = 4  # at most: each holds a CUDA context (a few hundred MB of GPU memory) while the process lives
+CUDNN_WORKERS = 4  # at most: each holds a CUDA context (a few hundred MB of GPU memory) while it lives
+IDLE_S = 60.0  # a worker without work this long exits: a tuned model holds no worker's memory or GPU context
 
 
 def workers_wanted() -> int:
@@ -195,11 +196,13 @@ def _scratch(v):
 def _queue(specs, kind: str = "triton", key_of=lambda s: (s["module"], s["name"], s["specialization"])) -> list:
     """Each spec's compile future: the one queued before for the same kernel, or a new one."""
     n = workers_wanted() if kind == "triton" else min(CUDNN_WORKERS, workers_wanted())
-    jobs = _start(kind, n) if specs else None
-    if jobs is None:
+    if not specs:
         return []
     futures = []
-    with _LOCK:
+    with _LOCK:  # one hold: no idle worker retires between the pool's start and the jobs' arrival
+        jobs = _start(kind, n)
+        if jobs is None:
+            return []
         for spec in specs:
             key = key_of(spec)
             if key not in _QUEUED:
@@ -211,9 +214,19 @@ def _queue(specs, kind: str = "triton", key_of=lambda s: (s["module"], s["name"]
 
 def _feed(worker, jobs: queue.Queue, pool: dict) -> None:
     """A daemon thread's loop: hand its worker the queued specs one by one. Daemon threads, so that compiles still
-    queued (an op the budget left untuned) never hold up the interpreter's exit."""
+    queued (an op the budget left untuned) never hold up the interpreter's exit. Left without work for IDLE_S,
+    the worker exits, and the thread with it; the pool starts again with the next job."""
     while True:
-        spec, future = jobs.get()
+        try:
+            spec, future = jobs.get(timeout=IDLE_S)
+        except queue.Empty:
+            with _LOCK:  # the lock _queue puts jobs under: an empty queue stays empty while the worker leaves
+                if jobs.empty():
+                    worker.close()
+                    pool["workers"].remove(worker)
+                    pool["workers"] = pool["workers"] or None
+                    return
+            continue
         if pool["broken"]:
             future.set_result(False)
             continue
@@ -301,31 +314,31 @@ class _Worker:
 
 
 def _start(kind: str, n: int):
-    """The job queue of a kind of job, with `n` workers and their feeding threads started on first use (one import
-    of triton and torch a worker)."""
+    """Under _LOCK: the job queue of a kind of job, with `n` workers and their feeding threads started where none
+    runs (one import of triton and torch a worker)."""
     pool = _POOLS[kind]
-    with _LOCK:
-        if pool["broken"]:
+    if pool["broken"]:
+        return None
+    if pool["workers"] is None:
+        try:
+            pool["workers"] = [_Worker() for _ in range(n)]
+        except OSError:
+            pool["broken"] = True
             return None
-        if pool["workers"] is None:
-            try:
-                pool["workers"] = [_Worker() for _ in range(n)]
-            except OSError:
-                pool["broken"] = True
-                return None
-            pool["jobs"] = queue.Queue()
-            for i, w in enumerate(pool["workers"]):
-                threading.Thread(target=_feed, args=(w, pool["jobs"], pool), name=f"resfuse-{kind}-{i}",
-                                 daemon=True).start()
-            atexit.register(_stop, pool)
-        return pool["jobs"]
+        pool["jobs"] = queue.Queue()
+        for i, w in enumerate(pool["workers"]):
+            threading.Thread(target=_feed, args=(w, pool["jobs"], pool), name=f"resfuse-{kind}-{i}",
+                             daemon=True).start()
+    return pool["jobs"]
 
 
-def _stop(pool: dict) -> None:
+@atexit.register
+def _stop() -> None:
     """At exit: the workers are killed, mid-compile or not (Triton writes its cache files whole, by rename; the
     CUDA driver its JIT cache's entries likewise)."""
-    for w in pool["workers"] or ():
-        w.close()
+    for pool in _POOLS.values():
+        for w in list(pool["workers"] or ()):
+            w.close()
 
 
 def _send(stream, obj) -> None:

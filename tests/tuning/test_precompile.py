@@ -212,7 +212,7 @@ def test_scratch_keeps_a_views_layout_and_offset():
                                                                        v.dtype)
 
 
-def test_a_dead_worker_resolves_every_queued_compile(monkeypatch):
+def test_a_dead_worker_resolves_every_queued_compile():
     """A worker that dies leaves no compile waited on forever: each queued future answers False, and the process
     compiles on threads from then on."""
     import concurrent.futures
@@ -223,14 +223,52 @@ def test_a_dead_worker_resolves_every_queued_compile(monkeypatch):
         def ask(self, spec):
             raise EOFError("the compile worker exited")
 
-    monkeypatch.setitem(precompile._POOLS["triton"], "broken", False)
-    jobs = queue.Queue()
-    threading.Thread(target=precompile._feed, args=(Dead(), jobs, precompile._POOLS["triton"]), daemon=True).start()
+        def close(self):
+            pass
+
+    dead, jobs = Dead(), queue.Queue()
+    pool = {"workers": [dead], "jobs": jobs, "broken": False}
+    threading.Thread(target=precompile._feed, args=(dead, jobs, pool), daemon=True).start()
     futures = [concurrent.futures.Future() for _ in range(3)]
     for f in futures:
         jobs.put(({}, f))
     assert [f.result(timeout=30) for f in futures] == [False] * 3
-    assert precompile._POOLS["triton"]["broken"]
+    assert pool["broken"]
+
+
+def test_idle_workers_leave_and_the_pool_starts_again(monkeypatch):
+    """Workers left without work for IDLE_S exit (a cuDNN worker's GPU context with them); the next job starts the
+    pool again, and it answers."""
+    import time
+
+    closed, started = [], []
+
+    class Worker:
+        def __init__(self):
+            started.append(self)
+
+        def ask(self, spec):
+            return spec["n"] * 2
+
+        def close(self):
+            closed.append(self)
+
+    monkeypatch.setattr(precompile, "_Worker", Worker)
+    monkeypatch.setattr(precompile, "IDLE_S", 0.05)
+    monkeypatch.setattr(precompile, "_QUEUED", {})
+    monkeypatch.setitem(precompile._POOLS, "cudnn", {"workers": None, "jobs": None, "broken": False})
+    kernels.set_options(compile_workers=2)
+    try:
+        key_of = lambda s: s["n"]  # noqa: E731
+        assert [f.result(timeout=30) for f in precompile._queue([{"n": 1}, {"n": 2}], "cudnn", key_of)] == [2, 4]
+        assert len(started) == 2
+        deadline = time.monotonic() + 30
+        while precompile._POOLS["cudnn"]["workers"] is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert precompile._POOLS["cudnn"]["workers"] is None and sorted(map(id, closed)) == sorted(map(id, started))
+        assert precompile._queue([{"n": 3}], "cudnn", key_of)[0].result(timeout=30) == 6 and len(started) == 4
+    finally:
+        kernels.set_options(compile_workers=None)
 
 
 def test_a_data_gradients_call_from_the_graph():
@@ -285,6 +323,8 @@ def test_a_chains_three_calls_in_the_order_it_tunes_them(monkeypatch):
     assert whole.inputs[0] is first.inputs[0]  # one scratch tensor a graph value
     seen = []
     monkeypatch.setattr(choose, "choose", lambda call: seen.append(call) or choose.HEURISTIC)
+    for t in (*whole.inputs, *whole.operands):
+        t.uniform_(0.5, 1.5)  # scratch memory: values for the kernels to read, not garbage
     chain.run_separate(whole)
     assert _same_problems(built[:2], seen)
     ops1, sig1, ops2, sig2 = chain.parts(whole)
