@@ -1,14 +1,18 @@
-"""The tuner's Triton kernels compiled in worker processes, ahead of their first launch.
+"""The tuner's Triton kernels compiled, and its cuDNN engine configs built, in worker processes, ahead of their
+first use.
 
 Entry points: `ahead(gm)`, which the backend calls once a graph is rewritten, before its first run: every fused
 op of the graph that will be tuned (conv, GEMM, conv data gradient, their aux and statistics forms, a chain of two
-1x1 convs and its two convs) has its candidates' kernels queued for the workers at once;
+1x1 convs and its two convs) has its candidates' kernels and engine configs queued for the workers at once;
 `precompile(fns)`, which choose.compile_in_parallel calls before it launches each candidate once: it waits for
-those kernels (queuing any not queued yet). `python -m resfuse.tuning.precompile` is the worker.
+those kernels (queuing any not queued yet); `cudnn_built(call, level)`, which choose.tune calls before it times
+the candidates: the same for the call's cuDNN engine configs. `python -m resfuse.tuning.precompile` is the worker.
 
-Why: a cold tuning is mostly Triton compiles. MobileNetV3 bs32 on an H100 host (16 cores) compiled 759 kernels in
+Why: a cold tuning is mostly compiles. MobileNetV3 bs32 on an H100 host (16 cores) compiled 759 Triton kernels in
 134 of its 215 s first call. On compile_in_parallel's threads a compile took 1.44 s of wall time, of which 0.48 s
-ran on its own thread; the rest waited on the GIL or on ptxas (bench/tune_profile.py, BENCHMARKS.md).
+ran on its own thread; the rest waited on the GIL or on ptxas. ResNet-50 bs32 then spent 33 of its 89 s building
+cuDNN's engine configs, one at a time: on threads they do not overlap (bench/tune_profile.py,
+bench/cudnn_build_threads.py, BENCHMARKS.md).
 
 How:
 - `precompile` runs each callable once with Triton's `jit_cache_hook` set. The hook records what each launch
@@ -18,12 +22,17 @@ How:
   multiprocessing's spawn would re-import). Each worker calls `triton.compile` for the parent's GPU target,
   without a GPU context. Triton's on-disk cache (TRITON_CACHE_DIR, inherited) then holds every kernel.
 - The callables' real first runs, on compile_in_parallel's threads, find their kernels there.
+- A cuDNN job describes a call's graph by shapes, strides and dtypes (providers/cudnn.build_spec), one job an
+  engine config. A pool of at most CUDNN_WORKERS workers, each with a GPU context, builds them on meta tensors
+  (cudnn.build_engine); the runtime-compiled kernels land in the CUDA driver's JIT cache on disk
+  (CUDA_CACHE_PATH, inherited), where the tuning process's own build of the same engine config finds them.
 - Queued ahead for a whole graph, the workers compile the later ops' kernels while the tuner measures the first
   ones: an op no longer waits for the slowest of its own ~16 compiles after the previous op's measurement.
 - Anything a worker cannot rebuild (a kernel defined in a function, an unpicklable argument, a dead worker) is
-  compiled on the threads as before: a cache miss costs time, never a wrong kernel.
+  compiled in the tuning process as before: a cache miss costs time, never a wrong kernel.
+- A worker without work for IDLE_S exits, so a tuned model holds neither its memory nor its GPU context.
 
-Switch: `Config.compile_workers` (env RESFUSE_COMPILE_WORKERS; 0 keeps compiling on threads only).
+Switch: `Config.compile_workers` (env RESFUSE_COMPILE_WORKERS; 0 keeps compiling in the tuning process only).
 """
 from __future__ import annotations
 
