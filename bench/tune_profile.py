@@ -2,7 +2,9 @@
 
 Entry point: `python bench/tune_profile.py --model mobilenet_v3_large --batch 32 [--budget 600] [--cold-triton]
 [--out DIR]`. Compiles the model with resfuse (CUDA graphs off, a fresh tuning cache; with --cold-triton a fresh
-Triton kernel cache too) and runs it once, with the tuner's phases wrapped in wall-clock timers:
+Triton kernel cache too) and runs it once, with the compile's and the tuner's phases wrapped in wall-clock timers:
+- the graph passes, and Inductor's compile of the remainder (the rest of the first call, past tuning, is
+  dynamo's capture and aot's trace);
 - `precompile.ahead`, at capture: every op's kernels recorded and queued for the compile workers;
 - `compile_in_parallel`, the Triton candidates built: first by `precompile` (a dry run recording each kernel,
   then waiting for the workers to compile them; timed on its own too), then loaded or compiled on a thread pool;
@@ -84,6 +86,10 @@ def main() -> None:
         return n
 
     precompile.ahead = timed("precompile.ahead (dry runs, queuing)", ahead)
+    from resfuse.capture import backend, inductor
+
+    backend.run_passes = timed("graph passes", backend.run_passes)
+    inductor.compile_remainder = timed("Inductor: the remainder compiled", inductor.compile_remainder)
     original_bench = choose._bench
 
     def bench(fn, *a, **kw):  # the host time of one call of the candidate, then the whole measurement
