@@ -260,13 +260,15 @@ def tune(call: Call, *, bench, level: str, budget_s: float = float("inf"), repor
 
 
 def triton_launches(candidates: list) -> list:
-    """Every callable of the Triton candidates: each with its epilogue, without it, and each of its variants."""
-    return [f for c in candidates if c.provider == "triton"
+    """Every callable of the candidates that launches our Triton kernels: each triton candidate with its epilogue,
+    without it, and each of its variants; the epilogue provider's (cuDNN/cuBLAS, then our epilogue kernel)."""
+    return [f for c in candidates if c.provider in ("triton", "epilogue")
             for f in (c.mainloop, c.run, *(v.run for v in c.variants)) if f is not None]
 
 
 def compile_in_parallel(candidates: list, device: torch.device) -> None:
-    """Build every Triton candidate's kernels at once, before any is timed: first on worker processes
+    """Build the candidates' Triton kernels (ours, and the epilogue provider's epilogue kernel) at once, before any
+    is timed: first on worker processes
     (precompile.py: a dry run records each kernel, the workers compile it into Triton's disk cache), then each is
     launched once (with and without its epilogue, and each of its variants) on its scratch buffers from a thread
     pool, which loads what the workers compiled and compiles what they could not. On threads alone, a compile ran

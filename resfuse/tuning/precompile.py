@@ -107,9 +107,8 @@ def _queue_graph(gm) -> int:
         return True
 
     before = len(_QUEUED)
-    for call in _calls(gm, wanted):
-        if providers.triton.refusal(call) is None:  # on the scratch tensors: the chain kernel's asks their addresses
-            _queue(record(triton_launches(providers.triton.candidates(call, level_now()))))
+    for call in _calls(gm, wanted):  # refusals on the scratch tensors: the chain kernel's asks their addresses
+        _queue(record(triton_launches(providers.candidates(call, level_now(), ("triton", "epilogue")))))
         _queue_cudnn(call, level_now())
     return len(_QUEUED) - before  # distinct kernels: problems share some (MobileNetV3 bs32: 730 for 989 futures)
 

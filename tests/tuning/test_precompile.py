@@ -184,8 +184,8 @@ def test_calls_from_the_graph_shapes():
 
 
 def test_ahead_queues_the_candidates_of_ops_still_to_tune(monkeypatch):
-    """Each op the tuner will measure has all its Triton candidates' callables dry-run (mainloop, run, variants);
-    an op already decided is skipped."""
+    """Each op the tuner will measure has all its Triton candidates' callables dry-run (mainloop, run, variants),
+    and the epilogue provider's; an op already decided is skipped."""
     from resfuse.tuning import choose
 
     calls = list(precompile._calls(_graph(), device_type="cpu"))
@@ -199,7 +199,9 @@ def test_ahead_queues_the_candidates_of_ops_still_to_tune(monkeypatch):
     assert len(recorded) == 1  # the conv, already decided, was not dry-run
     from resfuse import providers
     cands = providers.triton.candidates(calls[1], choose.level_now())
-    assert len(recorded[0]) == sum(1 + (c.mainloop is not None) + len(c.variants) for c in cands)
+    epilogue_kernel = 1  # the epilogue provider's: cuDNN/cuBLAS, then our epilogue kernel
+    assert len(recorded[0]) == sum(1 + (c.mainloop is not None) + len(c.variants) for c in cands) + epilogue_kernel
+    assert recorded[0][-1].__code__ is providers.epilogue.candidates(calls[1], "fast")[0].run.__code__
 
 
 def test_scratch_keeps_a_views_layout_and_offset():
