@@ -117,3 +117,37 @@ def test_dense_strides_are_torch_empty_strides():
         for shape in itertools.product([0, 1, 2, 3], repeat=rank):
             for fmt in (torch.contiguous_format, CL) if rank == 4 else (torch.contiguous_format,):
                 assert fused.dense_strides(shape, fmt) == torch.empty(shape, memory_format=fmt).stride(), (shape, fmt)
+
+
+def _calls_of_every_anchor():
+    h, f32 = torch.float16, torch.float32
+    x, w = torch.randn(2, 4, 5, 5).half().to(memory_format=CL), torch.randn(6, 4, 3, 3).half().to(memory_format=CL)
+    conv = ((x, w), [torch.randn(6).half()], ([1, 1], [1, 1], [1, 1]))
+    yield ch.Call("conv2d", *conv[:1], conv[1], "relu(add(acc,c0))", conv[2], fused.Output.of([2, 6, 5, 5], h, x.device, CL))
+    yield ch.Call("conv2d", (x.contiguous().float(), w.contiguous().float()), [torch.randn(2, 6, 3, 3)],
+                  "float32(add(acc,full0))", ([2, 2], [1, 1], [1, 1]), fused.Output.of([2, 6, 3, 3], f32, x.device))
+    yield ch.Call("gemm", (torch.randn(6, 8), torch.randn(8, 5)), [torch.randn(5)], "add(acc,c0)", ([2, 3, 5],),
+                  fused.Output.of([2, 3, 5], f32, x.device))
+    for layout in (torch.contiguous_format, CL):
+        g, wd = torch.randn(2, 6, 3, 3).to(memory_format=layout), torch.randn(6, 4, 3, 3).to(memory_format=layout)
+        yield ch.Call("conv2d_dgrad", (g, wd), [torch.randn(2, 4, 6, 6).relu()], "threshold_bwd[#0.0](acc,full0)",
+                      ([2, 2], [1, 1], [1, 1]), fused.Output.of([2, 4, 6, 6], f32, x.device, layout))
+
+
+@pytest.mark.parametrize("call", list(_calls_of_every_anchor()), ids=lambda c: c.op)
+def test_the_kernel_alone_sees_the_accumulator_the_candidate_sees(monkeypatch, call):
+    """The compile workers' launch of the epilogue kernel (kernel_only, no conv) gets an accumulator laid out as the
+    real run's, the same channel dim and the same output (the accumulator itself, or a new one), so it compiles the
+    kernel the run then launches."""
+    seen = []
+
+    def epilogue(acc, operands, signature, out, channel_dim, aux, stats):
+        seen.append((acc.shape, acc.stride(), acc.dtype, out.shape, out.stride(), out.dtype,
+                     out.data_ptr() == acc.data_ptr(), channel_dim, signature))
+        return out
+
+    monkeypatch.setattr(two_kernels.kernels, "epilogue", epilogue)
+    (candidate,) = two_kernels.candidates(call, "fast")
+    candidate.run()
+    candidate.triton_part()
+    assert len(seen) == 2 and seen[0] == seen[1], seen

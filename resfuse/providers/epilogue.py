@@ -6,6 +6,8 @@ memory is one output, not two. Entry points: `refusal`, `candidates`, and `run(c
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .. import kernels
@@ -29,6 +31,20 @@ def run(call) -> torch.Tensor:
     return kernels.epilogue(acc, call.operands, call.signature, out, channel_dim, call.aux, call.stats)
 
 
+def kernel_only(call) -> torch.Tensor:
+    """The epilogue kernel alone, as `run` launches it, on an uninitialised accumulator laid out as ATen's would
+    be: what the tuner's compile workers are given (tuning/precompile.py) without running a conv. The layout comes
+    from fake tensors on the inputs' device (on the "meta" device, ATen's conv layout rule for CUDA does not
+    apply: a channels_last conv's accumulator came out contiguous)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        like, channel_dim = _accumulator(dataclasses.replace(call, inputs=tuple(map(mode.from_tensor, call.inputs))))
+    acc = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=call.out.device)
+    out = acc if call.out.fits(acc) else call.out.empty()
+    return kernels.epilogue(acc, call.operands, call.signature, out, channel_dim, call.aux, call.stats)
+
+
 def _accumulator(call) -> tuple[torch.Tensor, int]:
     if call.op == "conv2d":
         from ..ops.fused import groups_of
@@ -48,4 +64,4 @@ def candidates(call, level: str) -> list[Candidate]:
     # measured as the op runs it: each run writes into the accumulator it has just computed (or a new output),
     # its own scratch, never a live buffer (OneFlow #9452)
     own = call.scratch()
-    return [Candidate("epilogue", "aten+epilogue", {}, lambda: run(own))]
+    return [Candidate("epilogue", "aten+epilogue", {}, lambda: run(own), triton_part=lambda: kernel_only(own))]

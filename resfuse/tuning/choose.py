@@ -261,9 +261,12 @@ def tune(call: Call, *, bench, level: str, budget_s: float = float("inf"), repor
 
 def triton_launches(candidates: list) -> list:
     """Every callable of the candidates that launches our Triton kernels: each triton candidate with its epilogue,
-    without it, and each of its variants; the epilogue provider's (cuDNN/cuBLAS, then our epilogue kernel)."""
-    return [f for c in candidates if c.provider in ("triton", "epilogue")
-            for f in (c.mainloop, c.run, *(v.run for v in c.variants)) if f is not None]
+    without it, and each of its variants; another provider's Triton kernel alone (the epilogue provider's
+    epilogue kernel, without the conv before it: run in precompile's dry run, the conv cost MobileNetV3's
+    capture 9 s)."""
+    return [f for c in candidates
+            for f in ((c.mainloop, c.run, *(v.run for v in c.variants)) if c.provider == "triton" else (c.triton_part,))
+            if f is not None]
 
 
 def compile_in_parallel(candidates: list, device: torch.device) -> None:

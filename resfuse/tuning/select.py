@@ -30,6 +30,7 @@ class Candidate:
     run: Callable[[], torch.Tensor]  # the fused op on scratch buffers, returns its output (a tuple: its outputs)
     mainloop: Callable[[], object] | None = None  # the same config without the epilogue (stage 1), if any
     variants: tuple["Candidate", ...] = ()  # stage 2 only, if this one is shortlisted: its mainloop is this one's
+    triton_part: Callable[[], object] | None = None  # a non-triton provider's Triton kernel alone, to compile it
 
 
 @dataclasses.dataclass

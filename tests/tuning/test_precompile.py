@@ -201,7 +201,7 @@ def test_ahead_queues_the_candidates_of_ops_still_to_tune(monkeypatch):
     cands = providers.triton.candidates(calls[1], choose.level_now())
     epilogue_kernel = 1  # the epilogue provider's: cuDNN/cuBLAS, then our epilogue kernel
     assert len(recorded[0]) == sum(1 + (c.mainloop is not None) + len(c.variants) for c in cands) + epilogue_kernel
-    assert recorded[0][-1].__code__ is providers.epilogue.candidates(calls[1], "fast")[0].run.__code__
+    assert recorded[0][-1].__code__ is providers.epilogue.candidates(calls[1], "fast")[0].triton_part.__code__
 
 
 def test_scratch_keeps_a_views_layout_and_offset():
