@@ -124,11 +124,12 @@ def cudnn_built(call, level: str) -> None:
 
 
 def _queue_cudnn(call, level: str) -> list:
-    """The futures of the workers' builds of each engine config the level times for `call`, a job each."""
+    """The futures of the workers' builds of each engine config the level times for `call`, a job each; none where
+    the CUDA driver keeps no JIT cache (CUDA_CACHE_DISABLE=1): a worker's build would not reach the tuner."""
     from .. import providers
     from .choose import fast_key
 
-    spec = providers.cudnn.build_spec(call, level)
+    spec = None if os.environ.get("CUDA_CACHE_DISABLE") == "1" else providers.cudnn.build_spec(call, level)
     if spec is None:
         return []
     problem = fast_key(call)

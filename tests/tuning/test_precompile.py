@@ -389,5 +389,8 @@ def test_cudnn_engine_configs_are_queued_a_job_each_and_waited_for(monkeypatch):
         monkeypatch.setattr(concurrent.futures, "wait", lambda fs, timeout: waited.append(list(fs)))
         precompile.cudnn_built(calls[0], "fast")  # queued by the graph: waited for, not queued again
         assert len(jobs) == 3 and waited == [[f for _, f in jobs]]
+        monkeypatch.setenv("CUDA_CACHE_DISABLE", "1")  # no JIT cache to hand the builds over: no job
+        monkeypatch.setattr(precompile, "_QUEUED", {})
+        assert precompile._queue_cudnn(calls[0], "fast") == [] and len(jobs) == 3
     finally:
         kernels.set_options(compile_workers=None)
