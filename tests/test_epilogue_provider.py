@@ -122,8 +122,8 @@ def test_dense_strides_are_torch_empty_strides():
 def _calls_of_every_anchor():
     h, f32 = torch.float16, torch.float32
     x, w = torch.randn(2, 4, 5, 5).half().to(memory_format=CL), torch.randn(6, 4, 3, 3).half().to(memory_format=CL)
-    conv = ((x, w), [torch.randn(6).half()], ([1, 1], [1, 1], [1, 1]))
-    yield ch.Call("conv2d", *conv[:1], conv[1], "relu(add(acc,c0))", conv[2], fused.Output.of([2, 6, 5, 5], h, x.device, CL))
+    yield ch.Call("conv2d", (x, w), [torch.randn(6).half()], "relu(add(acc,c0))", ([1, 1], [1, 1], [1, 1]),
+                  fused.Output.of([2, 6, 5, 5], h, x.device, CL))
     yield ch.Call("conv2d", (x.contiguous().float(), w.contiguous().float()), [torch.randn(2, 6, 3, 3)],
                   "float32(add(acc,full0))", ([2, 2], [1, 1], [1, 1]), fused.Output.of([2, 6, 3, 3], f32, x.device))
     yield ch.Call("gemm", (torch.randn(6, 8), torch.randn(8, 5)), [torch.randn(5)], "add(acc,c0)", ([2, 3, 5],),

@@ -2,10 +2,9 @@
 
 Entry points: `fold_refusal(call)`, `folded_call(call)` (the call with its weight folded and its epilogue's bn node
 replaced by a shift, or None while that fold overflows the weight's dtype), `folded_form(call)` (its shapes alone),
-and for a CUDA-graphed inference graph
-`recording_folds()` and `FoldWatch` (capture/cuda_graphs.py), which keep the folded weights in step with in-place
-updates of the parameters. Folded, cuDNN runs conv + shift + relu at the bare conv's speed (its ConvBiasAct
-engines; bench/cudnn_check.py --forms), where the batch norm written out runs slower.
+and for a CUDA-graphed inference graph `recording_folds()` and `FoldWatch` (capture/cuda_graphs.py), which keep the
+folded weights in step with in-place updates of the parameters. Folded, cuDNN runs conv + shift + relu at the bare
+conv's speed (its ConvBiasAct engines; bench/cudnn_check.py --forms), where the batch norm written out runs slower.
 """
 from __future__ import annotations
 

@@ -271,12 +271,11 @@ def triton_launches(candidates: list) -> list:
 
 def compile_in_parallel(candidates: list, device: torch.device) -> None:
     """Build the candidates' Triton kernels (ours, and the epilogue provider's epilogue kernel) at once, before any
-    is timed: first on worker processes
-    (precompile.py: a dry run records each kernel, the workers compile it into Triton's disk cache), then each is
-    launched once (with and without its epilogue, and each of its variants) on its scratch buffers from a thread
-    pool, which loads what the workers compiled and compiles what they could not. On threads alone, a compile ran
-    on its own thread for a third of its wall time and waited on the GIL or ptxas for the rest (MobileNetV3 bs32 on
-    a 16-core H100 host: 759 compiles in 134 s).
+    is timed: first on worker processes (precompile.py: a dry run records each kernel, the workers compile it into
+    Triton's disk cache), then each is launched once (with and without its epilogue, and each of its variants) on
+    its scratch buffers from a thread pool, which loads what the workers compiled and compiles what they could not.
+    On threads alone, a compile ran on its own thread for a third of its wall time and waited on the GIL or ptxas
+    for the rest (MobileNetV3 bs32 on a 16-core H100 host: 759 compiles in 134 s).
     A failure here is ignored: select() meets it again and records why."""
     if device.type != "cuda":
         return  # under the interpreter nothing is compiled, and the interpreter is not thread-safe

@@ -76,9 +76,10 @@ def precompile(fns) -> int:
 
 
 def ahead(gm) -> int:
-    """Queue the candidates' kernels of every fused op in `gm` that the tuner will measure, without waiting; returns
-    how many kernels were queued that were not queued before. Each op's calls are built from the graph's shapes on scratch tensors, one op at a time
-    (freed before the next). Ops with a dynamic dim are left to `precompile`."""
+    """Queue the candidates' kernels and engine configs of every fused op in `gm` that the tuner will measure,
+    without waiting; returns how many Triton kernels were queued that were not queued before. Each op's calls are
+    built from the graph's shapes on scratch tensors, one op at a time (freed before the next). Ops with a dynamic
+    dim are left to `precompile` and `cudnn_built`."""
     from .choose import _off_thread, level_now
 
     devices = {v.device for n in gm.graph.nodes if (v := n.meta.get("val")) is not None
