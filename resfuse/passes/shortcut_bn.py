@@ -8,6 +8,7 @@ relu(add(acc, full0)). That shortcut batch norm still ran as two passes of its o
 epilogue: relu(add(acc, normalize(full0, c1, c2, c3))) over x, save_mean, scale and shift. That saves writing y
 and reading it back, a pass over the tensor each.
 
+At 1x1 spatial the shortcut's output is an "nc" operand ([N, C, 1, 1]) rather than a full one, and folds the same.
 Only where the fused op runs our kernels: on ATen's path it would gain nothing and only change eager's rounding.
 Legal when y is read by the fused op alone and the batch norm is in training mode; x is the conv output that the
 batch norm's backward keeps anyway, so no tensor lives longer. The saved statistics and the new running stats
@@ -41,7 +42,8 @@ def shortcut_bn(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         for o in epi.operands(tree):
             y = main.args[5][o.slot]
             origin = first_output_of(y)
-            if o.kind != "full" or origin is None or origin.target != BN_TRAIN:
+            # "nc": a [N, C, 1, 1] operand (a block at 1x1 spatial), normalized elementwise just the same
+            if o.kind not in ("full", "nc") or origin is None or origin.target != BN_TRAIN:
                 continue
             why = _refusal(y, origin)
             if why:

@@ -95,6 +95,18 @@ def test_random_residual_nets_train_like_eager_through_the_triton_kernels(net, s
             else sum(pairs) <= projected if dual else not pairs), (pairs, report.rewrites, report.rejected)
 
 
+def test_a_block_at_one_pixel_folds_its_shortcut_batch_norm():
+    """At 1x1 spatial the shortcut batch norm's output reaches the main path's fused batch norm as an "nc" operand
+    ([N, C, 1, 1]), not a "full" one; it folds all the same, and the step trains like eager (a fresh Hypothesis
+    example found the fold skipped there, with no reason reported)."""
+    torch.manual_seed(0)
+    blocks = [Block(3, 4, 2, False, False, False, norm=False), Block(4, 4, 2, False, False, False, norm=False),
+              Block(4, 4, 2, False, False, False)]  # 5x5 -> 3x3 -> 2x2 -> 1x1
+    report = check_one_step((3, nn.Sequential(*blocks), 5, False, False), 0, interpret=True)
+    (fold,) = [f for f in report.fusions if f.graph == "forward" and "normalize(" in f.signature]
+    assert "normalize(nc" in fold.signature and fold.shapes["out"] == (2, 4, 1, 1), fold
+
+
 def check_one_step(net, seed, dynamic=False, **config):
     """One step through resfuse and through eager, both judged against eager in float64: resfuse's error may
     be at most a few times eager's own (BN over a handful of values makes some nets ill-conditioned, so a
