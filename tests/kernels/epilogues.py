@@ -168,10 +168,12 @@ def check_aux(aux, acc64, tree, operands, channel_dim: int, dtype) -> None:
     assert_close(epi.rows3(aux, aux.shape, channel_dim), ref, dtype)
 
 
-def assert_close(out3: torch.Tensor, ref3: torch.Tensor, dtype) -> None:
+def assert_close(out3: torch.Tensor, ref3: torch.Tensor, dtype, slack: float = 0.0) -> None:
+    """out3 within the dtype's tolerance of the float64 reference, plus `slack`: the error eager itself makes where
+    the inputs are ill-conditioned for the dtype (a caller that passes it measures it)."""
     assert not torch.isnan(out3).any(), "unwritten (NaN-poisoned) or NaN output"
     err = (out3.double() - ref3).abs()
-    bound = TOL[dtype] * (1.0 + ref3.abs())
+    bound = TOL[dtype] * (1.0 + ref3.abs()) + slack
     bad = err > bound
     assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} elements off; worst error "
                            f"{float(err.max()):.3g}, tol {TOL[dtype]}")

@@ -63,7 +63,9 @@ def _check(res, x, w, b, rm, rv, tree, operands, momentum=0.1, eps=1e-5):
     y64, mean64, invstd64, rm64, rv64 = _aten64(x, w, b, rm, rv, momentum, eps)
     assert y.dtype == x.dtype and y.shape == x.shape and y.stride() == torch.empty_like(x).stride()
     assert mean.dtype == invstd.dtype == torch.float32
-    assert_close(epi.rows3(y, y.shape, 1), reference(y64, tree, operands, 1), x.dtype)
+    ref = reference(y64, tree, operands, 1)
+    assert_close(epi.rows3(y, y.shape, 1), ref, x.dtype, slack=2 * _eager_error(x, w, b, rm, rv, momentum, eps,
+                                                                                   tree, operands, ref))
     assert_close(mean, mean64, torch.float32)
     assert_close(invstd, invstd64, torch.float32)
     if rm is None:
@@ -75,6 +77,19 @@ def _check(res, x, w, b, rm, rv, tree, operands, momentum=0.1, eps=1e-5):
         assert_close(rv_new, rv64, rv.dtype)
     else:  # one value per channel: the unbiased variance is 0/0, as aten's
         assert torch.isnan(rv_new).all() and torch.isnan(rv64).all()
+
+
+def _eager_error(x, w, b, rm, rv, momentum, eps, tree, operands, ref) -> float:
+    """The largest error of eager's fp32 batch norm (then the epilogue in float64) against the float64 reference.
+    Where a channel's mean is far from 0 against its spread (1000 + N(0, 4) over 3 values), the fp32 mean's own
+    rounding costs the normalized values more than the dtype's tolerance, in eager as in ours: ATen measured
+    5.9e-4 on such inputs, ours 1.6e-4, against a tolerance of 1e-4."""
+    c = x.shape[1]
+    rm32 = rm.float() if rm is not None else torch.zeros(c)
+    rv32 = rv.float() if rv is not None else torch.ones(c)
+    y32 = ATEN(x.float(), None if w is None else w.float(), None if b is None else b.float(), rm32, rv32, True,
+               momentum, eps)[0]
+    return float((reference(y32.double(), tree, operands, 1) - ref).abs().max())
 
 
 SHAPES = st.one_of(
