@@ -30,7 +30,9 @@ How:
   ones: an op no longer waits for the slowest of its own ~16 compiles after the previous op's measurement.
 - Anything a worker cannot rebuild (a kernel defined in a function, an unpicklable argument, a dead worker) is
   compiled in the tuning process as before: a cache miss costs time, never a wrong kernel.
-- A worker without work for IDLE_S exits, so a tuned model holds neither its memory nor its GPU context.
+- A worker without work for IDLE_S[kind] exits, so a tuned model holds neither its memory nor its GPU context. A
+  cuDNN worker exits after 5 s: `ahead` queues a graph's engine configs all at once, so once they are built the
+  pool has nothing left to do for that graph, and its 0.7 GB of GPU memory a worker (an H100) go back.
 
 Switch: `Config.compile_workers` (env RESFUSE_COMPILE_WORKERS; 0 keeps compiling in the tuning process only).
 """
@@ -56,7 +58,7 @@ _LOCK = threading.Lock()
 _QUEUED: dict = {}  # a kernel's specialisation, or ("cudnn", problem, engine index) -> the future of its build
 WAIT_S = 300.0  # how long an op waits for its kernels' compiles (one took 1-3 s on an H100 host)
 CUDNN_WORKERS = 4  # at most: each holds a CUDA context (a few hundred MB of GPU memory) while it lives
-IDLE_S = 60.0  # a worker without work this long exits: a tuned model holds no worker's memory or GPU context
+IDLE_S = {"triton": 60.0, "cudnn": 5.0}  # a worker without work this long exits (the module's docstring says why)
 
 
 def workers_wanted() -> int:
@@ -222,13 +224,13 @@ def _queue(specs, kind: str = "triton", key_of=lambda s: (s["module"], s["name"]
     return futures
 
 
-def _feed(worker, jobs: queue.Queue, pool: dict) -> None:
+def _feed(worker, jobs: queue.Queue, pool: dict, kind: str) -> None:
     """A daemon thread's loop: hand its worker the queued specs one by one. Daemon threads, so that compiles still
     queued (an op the budget left untuned) never hold up the interpreter's exit. Left without work for IDLE_S,
     the worker exits, and the thread with it; the pool starts again with the next job."""
     while True:
         try:
-            spec, future = jobs.get(timeout=IDLE_S)
+            spec, future = jobs.get(timeout=IDLE_S[kind])
         except queue.Empty:
             with _LOCK:  # the lock _queue puts jobs under: an empty queue stays empty while the worker leaves
                 if jobs.empty():
@@ -337,7 +339,7 @@ def _start(kind: str, n: int):
             return None
         pool["jobs"] = queue.Queue()
         for i, w in enumerate(pool["workers"]):
-            threading.Thread(target=_feed, args=(w, pool["jobs"], pool), name=f"resfuse-{kind}-{i}",
+            threading.Thread(target=_feed, args=(w, pool["jobs"], pool, kind), name=f"resfuse-{kind}-{i}",
                              daemon=True).start()
     return pool["jobs"]
 

@@ -230,7 +230,7 @@ def test_a_dead_worker_resolves_every_queued_compile():
 
     dead, jobs = Dead(), queue.Queue()
     pool = {"workers": [dead], "jobs": jobs, "broken": False}
-    threading.Thread(target=precompile._feed, args=(dead, jobs, pool), daemon=True).start()
+    threading.Thread(target=precompile._feed, args=(dead, jobs, pool, "triton"), daemon=True).start()
     futures = [concurrent.futures.Future() for _ in range(3)]
     for f in futures:
         jobs.put(({}, f))
@@ -239,7 +239,7 @@ def test_a_dead_worker_resolves_every_queued_compile():
 
 
 def test_idle_workers_leave_and_the_pool_starts_again(monkeypatch):
-    """Workers left without work for IDLE_S exit (a cuDNN worker's GPU context with them); the next job starts the
+    """Workers left without work for IDLE_S[kind] exit (a cuDNN worker's GPU context with them); the next job starts the
     pool again, and it answers."""
     import time
 
@@ -256,7 +256,7 @@ def test_idle_workers_leave_and_the_pool_starts_again(monkeypatch):
             closed.append(self)
 
     monkeypatch.setattr(precompile, "_Worker", Worker)
-    monkeypatch.setattr(precompile, "IDLE_S", 0.05)
+    monkeypatch.setitem(precompile.IDLE_S, "cudnn", 0.05)
     monkeypatch.setattr(precompile, "_QUEUED", {})
     monkeypatch.setitem(precompile._POOLS, "cudnn", {"workers": None, "jobs": None, "broken": False})
     kernels.set_options(compile_workers=2)
