@@ -87,7 +87,9 @@ def test_sinking_keeps_values_and_strides(chain):
     assert same_strides(got, want)  # a dim of size 1 has no layout (legality.same_strides)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     steps = chain[2]
-    if all(op is None or not isinstance(op, str) for _, op, _ in steps):  # unary, scalar and vector steps all move
+    # unary, scalar and vector steps all move; but a div of an operand by the value, which OPS writes as
+    # operand / (|value| + 1): abs and reciprocal are no epilogue ops (a fresh Hypothesis example drew it)
+    if all((op is None or not isinstance(op, str)) and not (name == "div" and first) for name, op, first in steps):
         out = next(n for n in after.graph.nodes if n.op == "output").args[0]
         mm = next(n for n in after.graph.nodes if n.target == torch.ops.aten.mm.default)
         assert out.target is PERMUTE and [n.target for n in _downstream(mm)].count(PERMUTE) == 1
