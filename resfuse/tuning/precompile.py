@@ -31,7 +31,7 @@ How:
 - Anything a worker cannot rebuild (a kernel defined in a function, an unpicklable argument, a dead worker) is
   compiled in the tuning process as before: a cache miss costs time, never a wrong kernel.
 - A worker without work for IDLE_S[kind] exits, so a tuned model holds neither its memory nor its GPU context. A
-  cuDNN worker exits after 5 s: `ahead` queues a graph's engine configs all at once, so once they are built the
+  cuDNN worker exits after 15 s: `ahead` queues a graph's engine configs all at once, so once they are built the
   pool has nothing left to do for that graph, and its 0.7 GB of GPU memory a worker (an H100) go back.
 
 Switch: `Config.compile_workers` (env RESFUSE_COMPILE_WORKERS; 0 keeps compiling in the tuning process only).
@@ -58,7 +58,7 @@ _LOCK = threading.Lock()
 _QUEUED: dict = {}  # a kernel's specialisation, or ("cudnn", problem, engine index) -> the future of its build
 WAIT_S = 300.0  # how long an op waits for its kernels' compiles (one took 1-3 s on an H100 host)
 CUDNN_WORKERS = 4  # at most: each holds a CUDA context (a few hundred MB of GPU memory) while it lives
-IDLE_S = {"triton": 60.0, "cudnn": 5.0}  # a worker without work this long exits (the module's docstring says why)
+IDLE_S = {"triton": 60.0, "cudnn": 15.0}  # a worker without work this long exits (the module's docstring says why)
 
 
 def workers_wanted() -> int:
