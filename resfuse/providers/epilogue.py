@@ -26,9 +26,7 @@ def run(call) -> torch.Tensor:
     In place is safe: each program reads its tile, then writes that same tile, and the accumulator is the fresh
     result of the ATen call here, never an operand or any other live tensor. Otherwise (an fp32 output under a
     float32 marker, another layout) the output is a new tensor."""
-    acc, channel_dim = _accumulator(call)
-    out = acc if call.out.fits(acc) else call.out.empty()
-    return kernels.epilogue(acc, call.operands, call.signature, out, channel_dim, call.aux, call.stats)
+    return _epilogue(call, *_accumulator(call))
 
 
 def kernel_only(call) -> torch.Tensor:
@@ -40,7 +38,12 @@ def kernel_only(call) -> torch.Tensor:
 
     with FakeTensorMode() as mode:
         like, channel_dim = _accumulator(dataclasses.replace(call, inputs=tuple(map(mode.from_tensor, call.inputs))))
-    acc = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=call.out.device)
+    return _epilogue(call, torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=call.out.device),
+                     channel_dim)
+
+
+def _epilogue(call, acc: torch.Tensor, channel_dim: int) -> torch.Tensor:
+    """The epilogue kernel on `acc`, into acc itself where it already is the output, else into a new output."""
     out = acc if call.out.fits(acc) else call.out.empty()
     return kernels.epilogue(acc, call.operands, call.signature, out, channel_dim, call.aux, call.stats)
 
