@@ -30,9 +30,9 @@ How:
   ones: an op no longer waits for the slowest of its own ~16 compiles after the previous op's measurement.
 - Anything a worker cannot rebuild (a kernel defined in a function, an unpicklable argument, a dead worker) is
   compiled in the tuning process as before: a cache miss costs time, never a wrong kernel.
-- A worker without work for IDLE_S[kind] exits, so a tuned model holds neither its memory nor its GPU context. A
-  cuDNN worker exits after 15 s: `ahead` queues a graph's engine configs all at once, so once they are built the
-  pool has nothing left to do for that graph, and its 0.7 GB of GPU memory a worker (an H100) go back.
+- A worker without work for its pool's idle_s exits, so a tuned model holds neither its memory nor its GPU
+  context. A cuDNN worker exits after 15 s: `ahead` queues a graph's engine configs all at once, so once they are
+  built the pool has nothing left to do for that graph, and its 0.7 GB of GPU memory a worker (an H100) go back.
 
 Switch: `Config.compile_workers` (env RESFUSE_COMPILE_WORKERS; 0 keeps compiling in the tuning process only).
 """
@@ -52,13 +52,14 @@ import subprocess
 import sys
 import threading
 
-# a pool of workers per kind of job: Triton compiles (no GPU context), cuDNN engine builds (a GPU context each)
-_POOLS: dict = {kind: {"workers": None, "jobs": None, "broken": False} for kind in ("triton", "cudnn")}
+# a pool of workers per kind of job: Triton compiles (no GPU context), cuDNN engine builds (a GPU context each);
+# idle_s: a worker without work this long exits (the module's docstring says why)
+_POOLS: dict = {kind: {"workers": None, "jobs": None, "broken": False, "idle_s": idle_s}
+                for kind, idle_s in (("triton", 60.0), ("cudnn", 15.0))}
 _LOCK = threading.Lock()
 _QUEUED: dict = {}  # a kernel's specialisation, or ("cudnn", problem, engine index) -> the future of its build
 WAIT_S = 300.0  # how long an op waits for its kernels' compiles (one took 1-3 s on an H100 host)
 CUDNN_WORKERS = 4  # at most: each holds a CUDA context (a few hundred MB of GPU memory) while it lives
-IDLE_S = {"triton": 60.0, "cudnn": 15.0}  # a worker without work this long exits (the module's docstring says why)
 
 
 def workers_wanted() -> int:
@@ -122,8 +123,7 @@ def cudnn_built(call, level: str) -> None:
     driver's JIT cache. A cold ResNet-50 bs32 tuning spent 33 of its 89 s building them one by one in the tuning
     process; on threads they did not overlap (bench/cudnn_build_threads.py: 52 s on 1 thread, 62 on 8). A second
     process found them in the driver's cache (CUDA_CACHE_PATH) in 3 s."""
-    if workers_wanted() and not _POOLS["cudnn"]["broken"]:
-        concurrent.futures.wait(_queue_cudnn(call, level), timeout=WAIT_S)
+    concurrent.futures.wait(_queue_cudnn(call, level), timeout=WAIT_S)
 
 
 def _queue_cudnn(call, level: str) -> list:
@@ -206,9 +206,10 @@ def _scratch(v):
 
 
 def _queue(specs, kind: str = "triton", key_of=lambda s: (s["module"], s["name"], s["specialization"])) -> list:
-    """Each spec's compile future: the one queued before for the same kernel, or a new one."""
+    """Each spec's compile future: the one queued before for the same kernel, or a new one; none with the workers
+    switched off."""
     n = workers_wanted() if kind == "triton" else min(CUDNN_WORKERS, workers_wanted())
-    if not specs:
+    if not specs or n == 0:
         return []
     futures = []
     with _LOCK:  # one hold: no idle worker retires between the pool's start and the jobs' arrival
@@ -224,13 +225,13 @@ def _queue(specs, kind: str = "triton", key_of=lambda s: (s["module"], s["name"]
     return futures
 
 
-def _feed(worker, jobs: queue.Queue, pool: dict, kind: str) -> None:
+def _feed(worker, jobs: queue.Queue, pool: dict) -> None:
     """A daemon thread's loop: hand its worker the queued specs one by one. Daemon threads, so that compiles still
-    queued (an op the budget left untuned) never hold up the interpreter's exit. Left without work for IDLE_S,
+    queued (an op the budget left untuned) never hold up the interpreter's exit. Left without work for idle_s,
     the worker exits, and the thread with it; the pool starts again with the next job."""
     while True:
         try:
-            spec, future = jobs.get(timeout=IDLE_S[kind])
+            spec, future = jobs.get(timeout=pool["idle_s"])
         except queue.Empty:
             with _LOCK:  # the lock _queue puts jobs under: an empty queue stays empty while the worker leaves
                 if jobs.empty():
@@ -339,7 +340,7 @@ def _start(kind: str, n: int):
             return None
         pool["jobs"] = queue.Queue()
         for i, w in enumerate(pool["workers"]):
-            threading.Thread(target=_feed, args=(w, pool["jobs"], pool, kind), name=f"resfuse-{kind}-{i}",
+            threading.Thread(target=_feed, args=(w, pool["jobs"], pool), name=f"resfuse-{kind}-{i}",
                              daemon=True).start()
     return pool["jobs"]
 

@@ -229,8 +229,8 @@ def test_a_dead_worker_resolves_every_queued_compile():
             pass
 
     dead, jobs = Dead(), queue.Queue()
-    pool = {"workers": [dead], "jobs": jobs, "broken": False}
-    threading.Thread(target=precompile._feed, args=(dead, jobs, pool, "triton"), daemon=True).start()
+    pool = {"workers": [dead], "jobs": jobs, "broken": False, "idle_s": 60.0}
+    threading.Thread(target=precompile._feed, args=(dead, jobs, pool), daemon=True).start()
     futures = [concurrent.futures.Future() for _ in range(3)]
     for f in futures:
         jobs.put(({}, f))
@@ -239,8 +239,8 @@ def test_a_dead_worker_resolves_every_queued_compile():
 
 
 def test_idle_workers_leave_and_the_pool_starts_again(monkeypatch):
-    """Workers left without work for IDLE_S[kind] exit (a cuDNN worker's GPU context with them); the next job starts the
-    pool again, and it answers."""
+    """Workers left without work for their pool's idle_s exit (a cuDNN worker's GPU context with them); the next job
+    starts the pool again, and it answers."""
     import time
 
     closed, started = [], []
@@ -256,9 +256,8 @@ def test_idle_workers_leave_and_the_pool_starts_again(monkeypatch):
             closed.append(self)
 
     monkeypatch.setattr(precompile, "_Worker", Worker)
-    monkeypatch.setitem(precompile.IDLE_S, "cudnn", 0.05)
     monkeypatch.setattr(precompile, "_QUEUED", {})
-    monkeypatch.setitem(precompile._POOLS, "cudnn", {"workers": None, "jobs": None, "broken": False})
+    monkeypatch.setitem(precompile._POOLS, "cudnn", {"workers": None, "jobs": None, "broken": False, "idle_s": 0.05})
     kernels.set_options(compile_workers=2)
     try:
         key_of = lambda s: s["n"]  # noqa: E731
@@ -392,5 +391,9 @@ def test_cudnn_engine_configs_are_queued_a_job_each_and_waited_for(monkeypatch):
         monkeypatch.setenv("CUDA_CACHE_DISABLE", "1")  # no JIT cache to hand the builds over: no job
         monkeypatch.setattr(precompile, "_QUEUED", {})
         assert precompile._queue_cudnn(calls[0], "fast") == [] and len(jobs) == 3
+        monkeypatch.delenv("CUDA_CACHE_DISABLE")
+        kernels.set_options(compile_workers=0)  # workers switched off: nothing queued, nothing started
+        asked = len(started)
+        assert precompile._queue_cudnn(calls[0], "fast") == [] and len(jobs) == 3 and len(started) == asked
     finally:
         kernels.set_options(compile_workers=None)
