@@ -72,8 +72,9 @@ class Config:
      "gradients, fp16/bf16) by bulk tensor-descriptor stores, beside per-thread stores, on Hopper and later; it keeps "
      "the faster (env RESFUSE_TMA_STORE=0 turns them off, cached choices included).")
     compile_workers: int | None = None
-    ("Processes that compile the tuner's Triton candidates ahead of their first launch (tuning/precompile.py): "
-     "None, up to 16 (one a CPU core); 0 compiles them on threads only (env RESFUSE_COMPILE_WORKERS).")
+    ("Processes that compile the tuner's Triton candidates ahead of their first launch, and build its cuDNN engine "
+     "configs (tuning/precompile.py): None, up to 16 (one a CPU core), up to 4 of them for cuDNN; 0 compiles and "
+     "builds them in the tuning process only (env RESFUSE_COMPILE_WORKERS).")
     split_k: int | None = None
     "Force a split-K factor for every GEMM/conv kernel; None lets the heuristic choose."
     cache_dir: str = dataclasses.field(default_factory=_default_cache_dir)

@@ -70,8 +70,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs, *, config: Config, graph: 
 
 
 def compile_ahead(gm: fx.GraphModule, graph: str, report: Report) -> None:
-    """Queue the Triton kernels that the graph's first run will tune on the compile workers (tuning/precompile.py),
-    so they compile while the tuner measures the ops before them. Only a head start: on failure, a note."""
+    """Queue the Triton kernels and cuDNN engine configs that the graph's first run will tune on the compile
+    workers (tuning/precompile.py), so they build while the tuner measures the ops before them. Only a head start:
+    on failure, a note."""
     from ..tuning import precompile
 
     try:

@@ -408,8 +408,9 @@ def _serve() -> None:
         try:
             ok = compile_spec(spec)
         except Exception as e:  # noqa: BLE001  the parent compiles it itself
-            print(f"resfuse precompile: {spec.get('module')}.{spec.get('name')}: {type(e).__name__}: "
-                  f"{str(e)[:300]}", file=sys.stderr)
+            what = (f"cuDNN {spec['op']} {spec['signature']} engine config {spec['index']}"
+                    if spec.get("kind") == "cudnn" else f"{spec.get('module')}.{spec.get('name')}")
+            print(f"resfuse precompile: {what}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
             ok = False
         _send(replies, ok)
 
