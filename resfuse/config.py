@@ -41,6 +41,11 @@ class Config:
     ("Run max-pool and its backward on resfuse's Triton kernels instead of ATen's, where the fused ops run on "
      "Triton; a relu gradient right after the pool's is applied on the way out, and an inference pool computes "
      "the monotone epilogue (batch norm, relu) of the conv it reads.")
+    shortcut_convs: bool = True
+    ("In inference, where a fused 1x1 conv's residual is another fused 1x1 conv's output read by nothing else (a "
+     "downsampling bottleneck's shortcut conv and batch norm), offer the tuner both as one kernel that keeps the "
+     "residual in registers instead of writing it and reading it back; the tuner keeps it only where it measures "
+     "faster.")
     chain_convs: bool = True
     ("In inference, where a fused 1x1 conv's output is read by another fused 1x1 conv (a bottleneck's tail and the "
      "next block's head), offer the tuner both as one kernel that multiplies each chunk of the first's output into "

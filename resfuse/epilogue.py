@@ -380,7 +380,8 @@ def triton_params(tree: Node, prefix: str = "") -> list[str]:
     return [f"{prefix}{p}{o.slot}" for o in operands(tree) for p in ("op", "op_sn", "op_sp", "op_sc")]
 
 
-def triton_body(tree: Node, out: str = "y", tma_slots: tuple[int, ...] = (), prefix: str = "") -> str:
+def triton_body(tree: Node, out: str = "y", tma_slots: tuple[int, ...] = (), prefix: str = "",
+                given: dict[int, str] | None = None) -> str:
     """Source that loads the operands and assigns the epilogue value to `out` (and an aux node's to `aux_y`).
 
     It expects in scope: `acc` [BM, BC] fp32, `offs_c` [BC], `mask_c` [BC], `s_idx` and `p_idx` [BM] (the
@@ -388,12 +389,16 @@ def triton_body(tree: Node, out: str = "y", tma_slots: tuple[int, ...] = (), pre
     tensor descriptor of an [M, C] matrix whose rows are the output's, read as the [BM, BC] box at (row0, col0),
     which must be in scope too (boxes past the edges read zeros, as the masked loads do). The names it reads
     (parameters, as triton_params gives them) and defines (operand values, temporaries) start with `prefix`.
+    An operand whose slot is in `given` is not loaded: its fp32 value is that expression, already in scope (its
+    parameters are still taken, unread: kernels/shortcut.py computes a residual in the same kernel).
     """
     lines = []
     op, v = f"{prefix}op", f"{prefix}v"
     for o in operands(tree):
         i = o.slot
-        if i in tma_slots:
+        if given and i in given:
+            lines.append(f"{v}{i} = {given[i]}")
+        elif i in tma_slots:
             lines.append(f"{v}{i} = {op}{i}.load([row0, col0]).to(tl.float32)")
         elif o.kind == "c":
             lines.append(f"{v}{i} = tl.load({op}{i} + offs_c * {op}_sc{i}, mask=mask_c, other=0.0)"

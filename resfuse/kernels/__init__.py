@@ -10,6 +10,9 @@ Entry points, called by ops/fused.py:
                                                      (aux: the second output of an epilogue with an aux node)
   conv2d_chain(x, w1, operands1, signature1, w2, operands2, signature2, y, z, config=None) -> (y, z)
                                                      two 1x1 convs, the second reading the first's output (chain.py)
+  conv2d_shortcut(y, w1, operands1, signature1, slot, x, w2, operands2, signature2, stride, z, config=None) -> z
+                                                     a 1x1 conv whose residual operand `slot` is another 1x1
+                                                     conv's output, computed in the same kernel (shortcut.py)
   epilogue(acc, operands, signature, out, channel_dim, aux=None, stats=None) -> out
                                                      the epilogue alone, on an ATen result
   batch_norm_train(...), batch_norm_stats(...),     training batch norm (batch_norm.py, batch_norm_bwd.py)
@@ -93,6 +96,11 @@ def conv2d_dgrad(grad_out, w, operands, signature, stride, padding, dilation, ou
 def conv2d_chain(x, w1, operands1, signature1, w2, operands2, signature2, y, z, config=None):
     from .chain import conv2d_chain as run
     return run(x, w1, operands1, signature1, w2, operands2, signature2, y, z, config)
+
+
+def conv2d_shortcut(y, w1, operands1, signature1, slot, x, w2, operands2, signature2, stride, z, config=None):
+    from .shortcut import conv2d_shortcut as run
+    return run(y, w1, operands1, signature1, slot, x, w2, operands2, signature2, stride, z, config)
 
 
 def epilogue(acc, operands, signature, out, channel_dim, aux=None, stats=None):

@@ -1,5 +1,5 @@
 """The custom ops that the rewritten graph calls: fused.py (inference anchors), chain.py (two fused 1x1 convs, the
-second reading the first's output), training.py (training anchors), pooling.py (max pooling), padding.py (a
+second reading the first's output), shortcut.py (a fused 1x1 conv whose residual is another's output), training.py (training anchors), pooling.py (max pooling), padding.py (a
 3-channel image padded for cuDNN), registered by library.py.
 
 The torch.library ops are what the passes put in the graph: they have schemas and fake implementations, so
@@ -14,6 +14,7 @@ import torch.fx as fx
 from .fused import (PATHS, conv2d, conv2d_aux, conv2d_aux_impl, conv2d_impl, conv_out_format, gemm, gemm_aux,
                     gemm_aux_impl, gemm_impl)
 from .chain import conv2d_chain, conv2d_chain_impl
+from .shortcut import conv2d_shortcut, conv2d_shortcut_impl
 from .padding import pad_channels, pad_channels_impl
 from .pooling import (max_pool2d, max_pool2d_backward, max_pool2d_backward_impl, max_pool2d_epilogue,
                       max_pool2d_epilogue_impl, max_pool2d_impl)
@@ -22,7 +23,7 @@ from .training import (batch_norm, batch_norm_backward, batch_norm_backward_dual
                        conv2d_dgrad, conv2d_dgrad_impl, conv2d_dgrad_stats, conv2d_dgrad_stats_impl, conv2d_stats,
                        conv2d_stats_impl)
 
-__all__ = ["PATHS", "conv2d", "conv2d_aux", "conv2d_chain", "gemm", "gemm_aux", "conv_out_format", "batch_norm",
+__all__ = ["PATHS", "conv2d", "conv2d_aux", "conv2d_chain", "conv2d_shortcut", "gemm", "gemm_aux", "conv_out_format", "batch_norm",
            "batch_norm_stats", "conv2d_stats", "conv2d_dgrad", "conv2d_dgrad_stats", "batch_norm_backward",
            "batch_norm_backward_dual", "max_pool2d", "max_pool2d_epilogue", "max_pool2d_backward", "pad_channels",
            "lower_to_impls"]
@@ -32,6 +33,7 @@ import torch  # noqa: E402  (after the ops are defined, so torch.ops.resfuse has
 IMPLS = {torch.ops.resfuse.conv2d.default: conv2d_impl, torch.ops.resfuse.gemm.default: gemm_impl,
          torch.ops.resfuse.conv2d_aux.default: conv2d_aux_impl,
          torch.ops.resfuse.conv2d_chain.default: conv2d_chain_impl, torch.ops.resfuse.gemm_aux.default: gemm_aux_impl,
+         torch.ops.resfuse.conv2d_shortcut.default: conv2d_shortcut_impl,
          torch.ops.resfuse.batch_norm.default: batch_norm_impl,
          torch.ops.resfuse.batch_norm_stats.default: batch_norm_stats_impl,
          torch.ops.resfuse.conv2d_stats.default: conv2d_stats_impl,

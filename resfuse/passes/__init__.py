@@ -22,6 +22,7 @@ from .permutes import sink_permutes
 from .pooling import max_pool
 from .report import Report
 from .shortcut_bn import shortcut_bn
+from .shortcut_conv import shortcut_convs
 
 
 @dataclasses.dataclass
@@ -57,6 +58,7 @@ PASSES = [
     ("conv_stats", conv_stats),  # after the batch-norm fusions: hands their conv's sums to the final batch norms
     ("bn_backward", batch_norm_backward),  # after the fusions: its grad_out is their dgrad's output
     ("max_pool", max_pool),  # after the fusions, which never absorb a pool: its input is their output
+    ("shortcut_convs", shortcut_convs),  # after the fusions, before chain_convs, which would take its main conv
     ("chain_convs", chain_convs),  # after the fusions: pairs their fused 1x1 convs, epilogues complete
     ("pad_channels", pad_channels),  # after every fusion: pads the image of a conv left to cuDNN, no fused op's
     ("report", _collect),  # last: reads the final graph

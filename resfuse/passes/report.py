@@ -81,6 +81,17 @@ def _chain_fusion(node: fx.Node, sig: str) -> tuple[list, str, dict, int]:
     return ops, "_".join(["conv2d", *ops]), shapes, saved
 
 
+def _shortcut_fusion(node: fx.Node, sig: str) -> tuple[list, str, dict, int]:
+    """(ops, pattern, shapes, bytes saved) of a conv2d_shortcut (passes/shortcut_conv.py): the shortcut conv's
+    epilogue, then the main conv's, and the residual r neither written nor read back."""
+    main, short = (epi.parse(s) for s in sig.split(";"))
+    z = node.meta["val"]
+    ops = [*epi.pattern_ops(short), "conv2d", *epi.pattern_ops(main)]
+    shapes = {"inputs": [_shape(node.args[i]) for i in (0, 1, 5, 6)], "out": tuple(z.shape)}
+    saved = bytes_saved(main, z) + bytes_saved(short, z) + 2 * _numel(z) * z.element_size()
+    return ops, "_".join(["conv2d", *ops]), shapes, saved
+
+
 def _shape(node) -> tuple | None:
     v = legality.val(node)
     return None if v is None else tuple(v.shape)  # None: an absent argument (batch norm without affine)
@@ -111,8 +122,9 @@ class Report:
                 continue
             sig = info.get("signature") or signature(node)
             before = {p: n for (op, s, p), n in PATHS.items() if op == info["anchor"] and s == sig}
-            if info["anchor"] == "conv2d_chain":
-                ops, pattern, shapes, saved = _chain_fusion(node, sig)
+            if info["anchor"] in ("conv2d_chain", "conv2d_shortcut"):
+                pair = _chain_fusion if info["anchor"] == "conv2d_chain" else _shortcut_fusion
+                ops, pattern, shapes, saved = pair(node, sig)
             else:
                 val = node.meta["val"]
                 tree, out = epi.parse(sig), val[0] if isinstance(val, tuple) else val

@@ -6,8 +6,8 @@ Entry point: `candidates(call, level) -> list[tuning.select.Candidate]`. Each pr
   epilogue  cuDNN/cuBLAS, then the whole epilogue in one generated Triton kernel (torch.compile's way);
   cudnn   one cuDNN frontend graph: conv_fprop, then the epilogue as pointwise nodes (optional extra);
   aten    the unfused baseline: cuDNN/cuBLAS, then the epilogue as separate torch ops.
-A chain of two fused 1x1 convs (op "conv2d_chain") has two: triton (our chain kernel) and separate (the two
-convs as two ops, each as tuned on its own).
+An op of two fused 1x1 convs (a chain, op "conv2d_chain"; a conv and its residual's conv, "conv2d_shortcut") has
+two: triton (our kernel of the pair) and separate (the two convs as two ops, each as tuned on its own).
 """
 from __future__ import annotations
 

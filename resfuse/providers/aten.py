@@ -4,10 +4,11 @@ from __future__ import annotations
 import torch
 
 from ..tuning.select import Candidate
+from . import separate
 
 
 def refusal(call) -> str | None:
-    return "a chain of two convs: the separate provider runs them as two ops" if call.op == "conv2d_chain" else None
+    return separate.REFUSAL if call.op in separate.PAIRS else None
 
 
 def run(call, out: torch.Tensor) -> torch.Tensor:

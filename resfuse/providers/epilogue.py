@@ -15,8 +15,10 @@ from ..tuning.select import Candidate
 
 
 def refusal(call) -> str | None:
-    if call.op == "conv2d_chain":
-        return "a chain of two convs: the separate provider runs them as two ops"
+    from . import separate
+
+    if call.op in separate.PAIRS:
+        return separate.REFUSAL
     return None if kernels.available(call.out.device) else f"no Triton kernels on {call.out.device}"
 
 

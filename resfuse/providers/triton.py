@@ -1,6 +1,6 @@
 """The triton provider: our generated kernels, one candidate per config of the level's space.
 
-Each candidate has an epilogue-free twin (signature "acc") for stage 1, but the chain kernel's; at the fast
+Each candidate has an epilogue-free twin (signature "acc") for stage 1, but those of our kernels of two convs; at the fast
 level a TMA GEMM's candidate also has a variant that writes its output by bulk stores (space.bulk_store_twin),
 timed in stage 2 if the candidate is shortlisted. All write to scratch buffers.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from .. import kernels
-from ..kernels import chain
+from ..kernels import chain, shortcut
 from ..kernels.conv2d_depthwise import is_depthwise
 from ..tuning import space
 from ..tuning.select import Candidate
@@ -25,6 +25,9 @@ def refusal(call) -> str | None:
         return "grouped convolution's data gradient"
     if call.op == "conv2d_chain":
         return chain.refusal(*call.inputs) or chain.unaligned(*call.inputs)
+    if call.op == "conv2d_shortcut":
+        y, w1, x, w2 = call.inputs
+        return shortcut.refusal(y, w1, x, w2, call.params[2]) or chain.unaligned(y, w1, w2)
     return None
 
 
@@ -37,8 +40,8 @@ def _launch(call, signature: str, operands, out, config, aux=None, stats=None):
 
 
 def candidates(call, level: str) -> list[Candidate]:
-    if call.op == "conv2d_chain":
-        return _chain_candidates(call, level)
+    if call.op in ("conv2d_chain", "conv2d_shortcut"):
+        return _pair_candidates(call, level)
     scratch, bare, own = call.out.empty(), call.out.empty(), call.scratch()
 
     def candidate(cfg, mainloop: bool) -> Candidate:
@@ -53,12 +56,18 @@ def candidates(call, level: str) -> list[Candidate]:
     return [candidate(cfg, True) for cfg in space.configs(call, level)]
 
 
-def _chain_candidates(call, level: str) -> list[Candidate]:
-    """Our chain kernel's configs, stage 2 only: with both epilogues removed it would compute something else
-    (z from y without its epilogue), so there is no epilogue-free twin to time first."""
-    from ..ops import chain as op
+def _pair_candidates(call, level: str) -> list[Candidate]:
+    """The configs of our kernel of two convs (a chain, or a conv and its residual's), stage 2 only: with the
+    epilogues removed it would compute something else (the second conv's input or residual without its
+    epilogue), so there is no epilogue-free twin to time first."""
+    from ..ops import chain as chain_op, shortcut as shortcut_op
 
-    y, z = op.y_output(call).empty(), call.out.empty()
+    if call.op == "conv2d_chain":
+        y, z = chain_op.y_output(call).empty(), call.out.empty()
+        run = lambda cfg: chain_op.run_chain(call, cfg, y, z)  # noqa: E731
+    else:
+        z = call.out.empty()
+        run = lambda cfg: shortcut_op.run_kernel(call, cfg, z)  # noqa: E731
     return [Candidate("triton", "triton:" + ",".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()),
-                      dataclasses.asdict(cfg), run=lambda cfg=cfg: op.run_chain(call, cfg, y, z))
+                      dataclasses.asdict(cfg), run=lambda cfg=cfg: run(cfg))
             for cfg in space.configs(call, level)]

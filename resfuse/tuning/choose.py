@@ -38,11 +38,13 @@ TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float32: 2e-3}  # 
 @dataclasses.dataclass
 class Call:
     """One invocation of a fused op, as the providers need it."""
-    op: str  # "conv2d" | "gemm" | "conv2d_dgrad" | "conv2d_chain" (ops/chain.py: both epilogues in `signature`)
-    inputs: tuple  # (x, w), (a, b), (grad_out, w) or (x, w1, w2)
+    op: str  # "conv2d" | "gemm" | "conv2d_dgrad" | "conv2d_chain" | "conv2d_shortcut" (ops/chain.py,
+    #          ops/shortcut.py: both epilogues in `signature`)
+    inputs: tuple  # (x, w), (a, b), (grad_out, w), a chain's (x, w1, w2) or a shortcut's (y, w1, x, w2)
     operands: list
     signature: str
-    params: tuple  # conv2d and conv2d_dgrad: (stride, padding, dilation); gemm: (out_shape,); chain: (operands1,)
+    params: tuple  # conv2d and conv2d_dgrad: (stride, padding, dilation); gemm: (out_shape,); chain: (operands1,);
+    #                shortcut: (operands1, the residual's slot, the shortcut's stride)
     out: Output  # described, not allocated: each provider allocates its own (candidates: scratch, never live data)
     aux: torch.Tensor | None = None  # the op's aux output, for an epilogue with an aux node (candidates: scratch)
     stats: torch.Tensor | None = None  # the op's [2, C] sums, for an epilogue with a bn_stats root (likewise)
@@ -57,7 +59,7 @@ class Call:
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    provider: str  # "triton" | "epilogue" | "cudnn" | "aten"; a chain: "triton" | "separate" (any other: separate)
+    provider: str  # "triton" | "epilogue" | "cudnn" | "aten"; a pair: "triton" | "separate" (any other: separate)
     config: object | None  # triton: a kernel config (None: the heuristic default); cudnn: {"engine", "fold_bn"} or None
 
 
@@ -250,7 +252,7 @@ def tune(call: Call, *, bench, level: str, budget_s: float = float("inf"), repor
         print(f"resfuse: {call.op} {_shape(call)} {call.signature}: every candidate missed a first reference, "
               f"then matched a fresh one ({misses[0][:300]})")
     best = outcome.times[outcome.winner.name]
-    peer = "separate" if call.op == "conv2d_chain" else "aten"  # a chain's peer: its two convs, each tuned
+    peer = "separate" if call.op in providers.separate.PAIRS else "aten"  # a pair's peer: its convs, each tuned
     base = outcome.times.get(peer)
     vs_peer = f"{base / best:.2f}x over {peer}" if base is not None else f"{peer} not measured"
     report(f"resfuse: tuned {call.op} {_shape(call)} {call.signature}: {outcome.winner.name} {best * 1e6:.1f} us, "
@@ -306,7 +308,6 @@ def _reference(call: Call) -> torch.Tensor | tuple:
     up = dataclasses.replace(call, inputs=tuple(t.float() for t in call.inputs),
                              operands=[t.float() for t in call.operands],
                              out=dataclasses.replace(call.out, dtype=torch.float32), aux=None, stats=None)
-    if call.op == "conv2d_chain":
-        from ..ops import chain
-        return chain.reference(up)
+    if call.op in providers.separate.PAIRS:
+        return providers.separate.pair_op(call).reference(up)
     return providers.aten.run(up, up.out.empty())

@@ -140,13 +140,14 @@ def _queue_cudnn(call, level: str) -> list:
                   lambda s: ("cudnn", problem, s["index"]))
 
 
-FUSED_OPS = ("conv2d", "conv2d_aux", "gemm", "gemm_aux", "conv2d_dgrad", "conv2d_dgrad_stats", "conv2d_chain")
+FUSED_OPS = ("conv2d", "conv2d_aux", "gemm", "gemm_aux", "conv2d_dgrad", "conv2d_dgrad_stats", "conv2d_chain",
+             "conv2d_shortcut")
 
 
 def _calls(gm, wanted=lambda call: True, device_type: str = "cuda"):
     """The tuner's Calls of each fused op node of `gm` that runs our kernels (provider "triton"), with static
     shapes on `device_type`, on scratch tensors, where `wanted` accepts the same call on the graph's fake tensors.
-    A chain gives three, in the order it tunes them: its first conv, its second, then itself."""
+    A chain or a shortcut op gives three, in the order it tunes them: its first conv, its second, then itself."""
     import torch
 
     from ..passes import legality
@@ -171,9 +172,12 @@ def _calls(gm, wanted=lambda call: True, device_type: str = "cuda"):
 
 
 def _node_calls(name: str, args: tuple, out, tensor) -> list:
-    """The Calls the op `name` builds when it first runs (ops/fused.py, ops/training.py, ops/chain.py), with each
-    of its node's values v (the arguments' and the outputs') as tensor(v)."""
-    from ..ops import chain, fused, training
+    """The Calls the op `name` builds when it first runs (ops/fused.py, ops/training.py, ops/chain.py,
+    ops/shortcut.py), with each of its node's values v (the arguments' and the outputs') as tensor(v)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from ..ops import chain, fused, shortcut, training
     from ..passes import legality
     from .choose import Call
 
@@ -186,6 +190,16 @@ def _node_calls(name: str, args: tuple, out, tensor) -> list:
         return [fused.call_of("conv2d", (x, w1), operands1, epilogue1, chain.ONE),
                 fused.call_of("conv2d", (tensor(out[0]), w2), operands2, epilogue2, chain.ONE),
                 chain.call_of(x, w1, operands1, epilogue1, w2, operands2, epilogue2)]
+    if name == "conv2d_shortcut":
+        y, w1, operands1, epilogue1, slot, x, w2, operands2, epilogue2, stride, _ = args
+        y, w1, x, w2, operands1, operands2 = (arg(y), arg(w1), arg(x), arg(w2), [*map(arg, operands1)],
+                                              [*map(arg, operands2)])
+        r = fused.conv_output(x, w2, epilogue2, stride, *shortcut.UNPADDED)  # no graph value: the op never writes it
+        r = torch.empty_strided(r.shape, r.strides, dtype=r.dtype, device="meta" if isinstance(x, FakeTensor)
+                                else r.device)
+        return [fused.call_of("conv2d", (x, w2), operands2, epilogue2, (stride, *shortcut.UNPADDED)),
+                fused.call_of("conv2d", (y, w1), [*operands1[:slot], r, *operands1[slot:]], epilogue1, chain.ONE),
+                shortcut.call_of(y, w1, operands1, epilogue1, slot, x, w2, operands2, epilogue2, stride)]
     inputs, operands, epilogue, params = (arg(args[0]), arg(args[1])), [*map(arg, args[2])], args[3], tuple(args[4:-1])
     second = tensor(out[1]) if name.endswith(("_aux", "_stats")) else None  # the aux output, or the [2, C] sums
     if name.startswith("conv2d_dgrad"):

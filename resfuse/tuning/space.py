@@ -2,10 +2,10 @@
 
 Entry point: `configs(call, level)`. The space itself is declared beside each kernel (`SPACE` and the
 config's `check` in kernels/matmul.py, kernels/conv2d_fprop.py, kernels/conv2d_depthwise.py,
-kernels/conv2d_bwd_data.py and kernels/chain.py); here it is pruned by level:
+kernels/conv2d_bwd_data.py, kernels/chain.py and kernels/shortcut.py); here it is pruned by level:
   none  the heuristic default only (no tuning);
-  fast  the default and a few tile shapes around it that suit Hopper (the default level); for the chain kernel,
-        the default and its whole space (eight configs);
+  fast  the default and a few tile shapes around it that suit Hopper (the default level); for the chain kernel
+        and the shortcut kernel, the default and its whole space (eight and sixteen configs);
   max   every point of SPACE that passes `check` (hundreds of compiles: slow).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import itertools
 import torch
 
 from .. import kernels
-from ..kernels import chain, conv2d_bwd_data, conv2d_depthwise, conv2d_fprop, launch, matmul
+from ..kernels import chain, conv2d_bwd_data, conv2d_depthwise, conv2d_fprop, launch, matmul, shortcut
 from ..kernels.launch import sm_count
 
 # (block_m, block_n, num_warps, num_stages) tried by "fast", besides the heuristic default
@@ -32,7 +32,7 @@ FAST_TILES = ((128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4), (128, 256, 8, 
 PERSISTENT_TILES = ((128, 64), (128, 128), (256, 128))
 LEVELS = ("none", "fast", "max")
 MODULES = {"conv2d": conv2d_fprop, "gemm": matmul, "conv2d_dgrad": conv2d_bwd_data,  # op -> its kernel's space
-           "conv2d_chain": chain}
+           "conv2d_chain": chain, "conv2d_shortcut": shortcut}
 
 
 def module(call):
@@ -59,6 +59,10 @@ def problem(call):
         x, w1, w2 = call.inputs
         return chain.ChainProblem(call.out.shape[0] * call.out.shape[2] * call.out.shape[3], x.shape[1], w1.shape[0],
                                   w2.shape[0], x.element_size(), sm_count(dev))
+    if call.op == "conv2d_shortcut":
+        y, w1, x, _ = call.inputs
+        return shortcut.ShortcutProblem(call.out.shape[0] * call.out.shape[2] * call.out.shape[3], y.shape[1],
+                                        x.shape[1], w1.shape[0], y.element_size(), sm_count(dev))
     if call.op == "conv2d_dgrad":
         grad_out, w = call.inputs
         stride = call.params[0]
@@ -109,10 +113,11 @@ def configs(call, level: str) -> list:
     default = family.default_config(p)
     if level == "none":
         return [default]
-    if level == "max" or family is chain:  # the chain's whole space is a handful of configs
+    pair = family in (chain, shortcut)  # a kernel of two convs: its whole space is a handful of configs
+    if level == "max" or pair:
         cls = type(default)
         points = (cls(**dict(zip(family.SPACE, values))) for values in itertools.product(*family.SPACE.values()))
-        found = [default] * (family is chain) + [c for c in points if c.check(p)]
+        found = [default] * pair + [c for c in points if c.check(p)]
     elif family is conv2d_depthwise:
         found = conv2d_depthwise.fast_configs(default, p)
     else:

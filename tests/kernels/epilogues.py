@@ -168,7 +168,7 @@ def check_aux(aux, acc64, tree, operands, channel_dim: int, dtype) -> None:
     assert_close(epi.rows3(aux, aux.shape, channel_dim), ref, dtype)
 
 
-def assert_close(out3: torch.Tensor, ref3: torch.Tensor, dtype, slack: float = 0.0) -> None:
+def assert_close(out3: torch.Tensor, ref3: torch.Tensor, dtype, slack: float | torch.Tensor = 0.0) -> None:
     """out3 within the dtype's tolerance of the float64 reference, plus `slack`: the error eager itself makes where
     the inputs are ill-conditioned for the dtype (a caller that passes it measures it)."""
     assert not torch.isnan(out3).any(), "unwritten (NaN-poisoned) or NaN output"

@@ -1,8 +1,12 @@
-"""Build small ATen graphs with make_fx (fake tensors in node.meta["val"]) and run the passes on them."""
+"""Build small ATen graphs with make_fx (fake tensors in node.meta["val"]) and run the passes on them; small
+bottleneck networks compiled whole under the interpreter (`net`, `compare`)."""
 import torch
+import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import resfuse
 from resfuse.config import Config
+from resfuse.ops import PATHS
 from resfuse.passes import PassContext, run_passes
 from resfuse.passes.report import Report
 
@@ -33,3 +37,53 @@ def bn(y, w, b, mean, var):
 
 def rel(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+class Bottleneck(nn.Module):
+    """torchvision's ResNet bottleneck (v1.5: the stride in the 3x3 conv), written out: CI has no torchvision."""
+
+    def __init__(self, cin, mid, stride=1):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid)
+        self.conv2, self.bn2 = nn.Conv2d(mid, mid, 3, stride, 1, bias=False), nn.BatchNorm2d(mid)
+        self.conv3, self.bn3 = nn.Conv2d(mid, mid * 4, 1, bias=False), nn.BatchNorm2d(mid * 4)
+        self.down = None
+        if stride != 1 or cin != mid * 4:
+            self.down = nn.Sequential(nn.Conv2d(cin, mid * 4, 1, stride, bias=False), nn.BatchNorm2d(mid * 4))
+
+    def forward(self, x):
+        skip = x if self.down is None else self.down(x)
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = torch.relu(self.bn2(self.conv2(out)))
+        return torch.relu(self.bn3(self.conv3(out)) + skip)
+
+
+def stage(cin, mid, blocks, stride):
+    layers = [Bottleneck(cin, mid, stride)] + [Bottleneck(mid * 4, mid) for _ in range(blocks - 1)]
+    for m in nn.Sequential(*layers).modules():
+        if isinstance(m, nn.BatchNorm2d):  # statistics a trained net could have, not the identity
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.5, 0.5)
+    return layers
+
+
+def net(*stages):
+    """A stem conv, then stages of bottlenecks, each (input channels, mid channels, blocks, first block's stride)."""
+    return nn.Sequential(nn.Conv2d(3, stages[0][0], 3, padding=1), *[b for s in stages for b in stage(*s)])
+
+
+def compare(model, x, **config):
+    """(resfuse's output, the float64 eager output, the report) of the model in fp16 channels_last, compiled with
+    `config` under the interpreter."""
+    model = model.eval().half().to(memory_format=torch.channels_last)
+    x = x.half().contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        ref = model.double()(x.double())
+        model.half()
+        torch._dynamo.reset()
+        PATHS.clear()
+        compiled = resfuse.compile(model, **{"interpret": True, **config})
+        out = compiled(x)
+    return out, ref, compiled.resfuse_report

@@ -9,54 +9,7 @@ from hypothesis import given, settings, strategies as st
 import resfuse
 from resfuse.ops import PATHS
 
-from .helpers import reasons, rel
-
-
-class Bottleneck(nn.Module):
-    """torchvision's ResNet bottleneck (v1.5: the stride in the 3x3 conv), written out: CI has no torchvision."""
-
-    def __init__(self, cin, mid, stride=1):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid)
-        self.conv2, self.bn2 = nn.Conv2d(mid, mid, 3, stride, 1, bias=False), nn.BatchNorm2d(mid)
-        self.conv3, self.bn3 = nn.Conv2d(mid, mid * 4, 1, bias=False), nn.BatchNorm2d(mid * 4)
-        self.down = None
-        if stride != 1 or cin != mid * 4:
-            self.down = nn.Sequential(nn.Conv2d(cin, mid * 4, 1, stride, bias=False), nn.BatchNorm2d(mid * 4))
-
-    def forward(self, x):
-        skip = x if self.down is None else self.down(x)
-        out = torch.relu(self.bn1(self.conv1(x)))
-        out = torch.relu(self.bn2(self.conv2(out)))
-        return torch.relu(self.bn3(self.conv3(out)) + skip)
-
-
-def _stage(cin, mid, blocks, stride):
-    layers = [Bottleneck(cin, mid, stride)] + [Bottleneck(mid * 4, mid) for _ in range(blocks - 1)]
-    for m in nn.Sequential(*layers).modules():
-        if isinstance(m, nn.BatchNorm2d):  # statistics a trained net could have, not the identity
-            m.running_mean.uniform_(-0.5, 0.5)
-            m.running_var.uniform_(0.5, 2.0)
-            m.weight.data.uniform_(0.5, 1.5)
-            m.bias.data.uniform_(-0.5, 0.5)
-    return layers
-
-
-def _net(*stages):
-    return nn.Sequential(nn.Conv2d(3, stages[0][0], 3, padding=1), *[b for s in stages for b in _stage(*s)])
-
-
-def _compare(model, x, **config):
-    model = model.eval().half().to(memory_format=torch.channels_last)
-    x = x.half().contiguous(memory_format=torch.channels_last)
-    with torch.no_grad():
-        ref = model.double()(x.double())
-        model.half()
-        torch._dynamo.reset()
-        PATHS.clear()
-        compiled = resfuse.compile(model, **{"interpret": True, **config})
-        out = compiled(x)
-    return out, ref, compiled.resfuse_report
+from .helpers import compare, net, reasons, rel
 
 
 @settings(max_examples=6, deadline=None)
@@ -65,8 +18,8 @@ def _compare(model, x, **config):
 def test_bottleneck_pairs_become_chains_and_match_eager(blocks, mid, size, batch):
     # a stage like ResNet's layer 1, then the first block of a strided stage, whose 1x1 head reads the last tail
     torch.manual_seed(blocks * 100 + mid)
-    model = _net((16, mid, blocks, 1), (mid * 4, mid, 1, 2))
-    out, ref, report = _compare(model, torch.randn(batch, 3, *size))
+    model = net((16, mid, blocks, 1), (mid * 4, mid, 1, 2))
+    out, ref, report = compare(model, torch.randn(batch, 3, *size))
     assert rel(out, ref) < 5e-3
     chains = [f for f in report.fusions if f.anchor == "conv2d_chain"]
     # every tail of the first stage chains with the head after it (the next block's, or the strided stage's)
@@ -78,10 +31,10 @@ def test_bottleneck_pairs_become_chains_and_match_eager(blocks, mid, size, batch
 
 
 def test_switch_off_and_the_aten_provider_keep_two_convs():
-    model = _net((16, 16, 2, 1))
+    model = net((16, 16, 2, 1))
     x = torch.randn(1, 3, 4, 4)
     for config in ({"chain_convs": False}, {"providers": ("aten",)}):
-        out, ref, report = _compare(model, x, **config)
+        out, ref, report = compare(model, x, **config)
         assert rel(out, ref) < 5e-3
         assert not [f for f in report.fusions if f.anchor == "conv2d_chain"]
 
@@ -127,7 +80,7 @@ def test_pairs_the_kernel_cannot_take_say_why(model, inputs, reason):
 
 def test_dynamic_batch_keeps_the_chain():
     """A batch marked dynamic: one capture, its chains serve every batch size."""
-    model = _net((16, 16, 2, 1)).eval().half().to(memory_format=torch.channels_last)
+    model = net((16, 16, 2, 1)).eval().half().to(memory_format=torch.channels_last)
     torch._dynamo.reset()
     compiled = resfuse.compile(model, interpret=True)
     with torch.no_grad():

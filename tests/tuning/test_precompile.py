@@ -334,6 +334,45 @@ def test_a_chains_three_calls_in_the_order_it_tunes_them(monkeypatch):
     assert _same_problems([whole], [real])
 
 
+def test_a_shortcut_ops_three_calls_in_the_order_it_tunes_them(monkeypatch):
+    """A conv whose residual is a strided 1x1 conv's output gives the shortcut conv's call, the main conv's (its
+    residual a scratch tensor laid out as the shortcut's output), then its own: the problems its op builds on real
+    tensors, as choose sees them."""
+    import torch
+    import torch.nn.functional as F
+
+    from resfuse.ops import shortcut
+    from resfuse.tuning import choose
+    from tests.passes import helpers
+
+    kernels.set_options(interpret=True)
+
+    def fn(y0, w0, w1, b1, x, w2, b2):  # the main path the deeper: FuseAddToOutput gives it the add
+        return torch.relu(F.conv2d(torch.relu(F.conv2d(y0, w0)), w1, b1) + F.conv2d(x, w2, b2, stride=2))
+
+    cl = torch.channels_last
+    args = (torch.randn(2, 16, 3, 5).half().contiguous(memory_format=cl), helpers.conv_w(16, 16, 1).half(),
+            helpers.conv_w(16, 32, 1).half(),
+            torch.randn(32).half(), torch.randn(2, 8, 6, 10).half().contiguous(memory_format=cl),
+            helpers.conv_w(8, 32, 1).half(), torch.randn(32).half())
+    gm, _ = helpers.run(fn, *args, providers=("triton", "aten"), interpret=True)
+    assert any(n.target == torch.ops.resfuse.conv2d_shortcut.default for n in gm.graph.nodes)
+    built = list(precompile._calls(gm, device_type="cpu"))
+    assert [c.op for c in built] == ["conv2d", "conv2d", "conv2d", "conv2d_shortcut"]
+    short, main, whole = built[1:]
+    assert short.params[0] == [2, 2] and main.params[0] == [1, 1]
+    seen = []
+    monkeypatch.setattr(choose, "choose", lambda call: seen.append(call) or choose.HEURISTIC)
+    for t in (*whole.inputs, *whole.operands):
+        t.uniform_(0.5, 1.5)  # scratch memory: values for the kernels to read, not garbage
+    shortcut.run_separate(whole)
+    assert _same_problems(built[1:3], seen)
+    ops1, sig1, slot, ops2, sig2, stride = shortcut.parts(whole)
+    y, w1, x, w2 = (t.clone(memory_format=torch.preserve_format) for t in whole.inputs)
+    real = shortcut.call_of(y, w1, list(ops1), sig1, slot, x, w2, list(ops2), sig2, stride)
+    assert _same_problems([whole], [real])
+
+
 def test_the_aux_and_statistics_forms_carry_their_second_output():
     """conv2d_aux and gemm_aux calls carry a scratch aux output laid out as their node's, conv2d_dgrad_stats a
     scratch [2, C] fp32 sums tensor, as their ops pass them to the tuner."""

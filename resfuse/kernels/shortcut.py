@@ -1,0 +1,198 @@
+"""A residual block's last 1x1 conv and its shortcut conv in one kernel: the shortcut's output is never written.
+
+    r = epilogue2(conv1x1(x, w2, stride))        the shortcut (a downsampling block's conv + batch norm)
+    z = epilogue1(conv1x1(y, w1), residual=r)    the main path's last conv, which adds r (FuseAddToOutput's add)
+
+Entry points: `conv2d_shortcut(y, w1, operands1, signature1, slot, x, w2, operands2, signature2, stride, z,
+config=None)`, reached through resfuse.kernels (ops/shortcut.py calls it); `refusal(y, w1, x, w2, stride)`;
+`ShortcutConfig` with `SPACE` and `default_config` (the tuning space, tuning/space.py). Unfused, r is written
+and read back by the main conv: at ResNet-50's first block, bs32, 51 MB each way. Here each program computes
+its output tile of r first (x sampled at the stride through pointer loads, w2 through a tensor descriptor), applies
+the shortcut's epilogue and rounds r to the output dtype, as the store would have; then the main conv's
+reduction (y and w1 through descriptors) and its epilogue, which reads r from registers instead of memory
+(operand `slot` of signature1; operands1 has a stand-in there, never read).
+
+Both convs are 1x1 and unpadded, groups 1; the main one stride 1 on a dense channels_last fp16/bf16 y, the
+shortcut any stride on x of any layout. Channels are multiples of 8 (a descriptor's rows are 16-byte aligned).
+"""
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+
+import torch
+import triton
+
+from .. import epilogue as epi
+from . import codegen, options
+from .chain import _rows, nhwc_dense, unaligned
+from .plan import operand_args, operand_strides, pdl_meta, plan_key, sm_count
+
+
+@dataclasses.dataclass(frozen=True)
+class ShortcutProblem:
+    m: int  # output pixel rows, N*OH*OW
+    k1: int  # y's channels (the main conv's input)
+    k2: int  # x's (the shortcut's input)
+    n: int  # output channels
+    dtype_bytes: int
+    sms: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ShortcutConfig:
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def check(self, p: ShortcutProblem) -> bool:
+        # registers: the fp32 accumulator and the 16-bit residual held through the main conv's reduction
+        regs = self.block_m * self.block_n * 3 // 2 <= 128 * 32 * self.num_warps
+        smem = self.num_stages * (self.block_m + self.block_n) * self.block_k * p.dtype_bytes
+        return (min(self.block_m, self.block_n, self.block_k) >= 16 and smem <= 220 * 1024 and regs
+                and self.num_warps in (4, 8))
+
+
+SPACE = {"block_m": (64, 128), "block_n": (64, 128), "block_k": (64,), "group_m": (8,), "num_warps": (4, 8),
+         "num_stages": (3, 4)}
+
+
+def default_config(p: ShortcutProblem) -> ShortcutConfig:
+    """128 x 128 tiles of 8 warps where the channels fill them, 128 x 64 of 4 warps otherwise; under the
+    interpreter (one SM) small tiles, so that edge tiles are exercised."""
+    if p.sms == 1:
+        return ShortcutConfig(32, 32, 32, 8, 4, 2)
+    wide = p.n >= 128
+    return ShortcutConfig(128, 128 if wide else 64, 64, 8, 8 if wide else 4, 3 if wide else 4)
+
+
+def refusal(y: torch.Tensor, w1: torch.Tensor, x: torch.Tensor, w2: torch.Tensor, stride) -> str | None:
+    """Why this kernel cannot run these convs (None: it can)."""
+    if y.dtype not in (torch.float16, torch.bfloat16) or any(t.dtype != y.dtype for t in (w1, x, w2)):
+        return f"the shortcut kernel takes fp16/bf16 inputs, got {y.dtype}, {w1.dtype}, {x.dtype}, {w2.dtype}"
+    if any(t.dim() != 4 for t in (y, w1, x, w2)) or w1.shape[2:] != (1, 1) or w2.shape[2:] != (1, 1):
+        return "the shortcut kernel takes two 1x1 convs"
+    if w1.shape[1] != y.shape[1] or w2.shape[1] != x.shape[1]:
+        return "a grouped conv"
+    if w1.shape[0] != w2.shape[0]:
+        return "the two convs' output channels differ"
+    if any(c % 8 for c in (y.shape[1], x.shape[1], w1.shape[0])):
+        return "channels that are not multiples of 8"
+    out_hw = [(d - 1) // s + 1 for d, s in zip(x.shape[2:], stride)]
+    if x.shape[0] != y.shape[0] or out_hw != list(y.shape[2:]):
+        return "the shortcut's output is not shaped like the main conv's"
+    if not nhwc_dense(y) or any(w.reshape(w.shape[0], -1).stride(1) != 1 for w in (w1, w2)):
+        return "the shortcut kernel takes a channels_last input and dense 1x1 weights"
+    return None
+
+
+def source(signature1: str, signature2: str, slot: int) -> str:
+    tree1, tree2 = epi.parse(signature1), epi.parse(signature2)
+    params = ["y_desc", "w1_desc", "x", "w2_desc", "out", "M", "N", "P", "OW", "s_xn", "s_xh", "s_xw", "s_xc",
+              *epi.triton_params(tree1, "e1_"), *epi.triton_params(tree2, "e2_"),
+              *[f"{c}: tl.constexpr" for c in ("K1", "K2", "BM", "BN", "BK", "GROUP_M", "PRECISION", "PDL")]]
+    body2 = epi.triton_body(tree2, "r_val", prefix="e2_")
+    body1 = epi.triton_body(tree1, "z_val", prefix="e1_", given={slot: "r.to(tl.float32)"})
+    param_lines = "\n".join(f"    {p}," for p in params)
+    return f'''"""Generated by resfuse.kernels.shortcut (template version {codegen.TEMPLATE_VERSION}); do not edit.
+
+A 1x1 conv and its residual's 1x1 conv. Epilogue 1: {signature1} (operand {slot}: the residual). Epilogue 2: {signature2}
+"""
+import triton
+import triton.language as tl
+
+from resfuse.kernels.activations import {", ".join(codegen.HELPERS)}
+from resfuse.kernels.tiles import cdiv, dependent_launch, mma, swizzle_tile
+
+
+@triton.jit
+def resfuse_conv2d_shortcut(
+{param_lines}
+):
+    dependent_launch(PDL)  # programmatic dependent launch: wait for the producer
+    tile_m, tile_n = swizzle_tile(tl.program_id(0), cdiv(M, BM), cdiv(N, BN), GROUP_M)
+    rows = tile_m * BM + tl.arange(0, BM)
+    row_ok = rows < M
+    s_idx = rows // P
+    p_idx = rows % P
+    offs_c = tile_n * BN + tl.arange(0, BN)
+    mask_c = offs_c < N
+    mask = row_ok[:, None] & mask_c[None, :]
+    # the shortcut: x's pixel under each output row, at the conv's stride (folded into s_xh and s_xw)
+    x_rows = s_idx.to(tl.int64) * s_xn + (p_idx // OW) * s_xh + (p_idx % OW) * s_xw
+    offs_k = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K2, BK):
+        k_ok = k0 + offs_k < K2
+        a = tl.load(x + x_rows[:, None] + (k0 + offs_k)[None, :] * s_xc, mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        acc = mma(a, tl.trans(w2_desc.load([tile_n * BN, k0])), acc, PRECISION)
+    # epilogue 2: {signature2}
+{textwrap.indent(body2, " " * 4)}
+    r = r_val.to(out.dtype.element_ty)  # rounded as the shortcut's output would have been stored
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K1, BK):
+        acc = mma(y_desc.load([tile_m * BM, k0]), tl.trans(w1_desc.load([tile_n * BN, k0])), acc, PRECISION)
+    # epilogue 1: {signature1}
+{textwrap.indent(body1, " " * 4)}
+    tl.store(out + rows.to(tl.int64)[:, None] * N + offs_c[None, :], z_val.to(out.dtype.element_ty), mask=mask)
+'''
+
+
+class ShortcutPlan:
+    """What a launch needs that depends only on shapes, strides, dtypes and the config (plan.Plan's role)."""
+
+    def __init__(self, y, w1, operands1, signature1, slot, x, w2, operands2, signature2, stride, z,
+                 cfg: ShortcutConfig):
+        m, n = _rows(z).shape
+        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+        self.boxes = ([bm, bk], [bn, bk], [bn, bk])
+        self.strides1 = operand_strides(signature1, operands1, z.shape, 1)
+        self.strides2 = operand_strides(signature2, operands2, z.shape, 1)
+        self.kernel = codegen.load_source("conv2d_shortcut", f"{signature1};{signature2}|{slot}",
+                                          lambda: source(signature1, signature2, slot))
+        self.grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+        s_n, s_c, s_h, s_w = x.stride()
+        self.head = [m, n, z.shape[2] * z.shape[3], z.shape[3], s_n, s_h * stride[0], s_w * stride[1], s_c]
+        upcast = y.dtype == torch.bfloat16 and options()["interpret"]  # see tiles.mma
+        self.meta = dict(K1=y.shape[1], K2=x.shape[1], BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m,
+                         PRECISION="upcast" if upcast else "ieee", num_warps=cfg.num_warps,
+                         num_stages=cfg.num_stages, **pdl_meta(y.device))
+
+    def launch(self, y, w1, operands1, signature1, x, w2, operands2, signature2, z):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        mats = (_rows(y), w1.reshape(w1.shape[0], -1), w2.reshape(w2.shape[0], -1))
+        descs = [TensorDescriptor.from_tensor(t, box) for t, box in zip(mats, self.boxes)]
+        ops1 = operand_args(operands1, self.strides1, {}, signature1, z.shape, 1)
+        ops2 = operand_args(operands2, self.strides2, {}, signature2, z.shape, 1)
+        self.kernel[self.grid](descs[0], descs[1], x, descs[2], z, *self.head, *ops1, *ops2, **self.meta)
+
+
+_PLANS: dict = {}
+
+
+def conv2d_shortcut(y, w1, operands1, signature1: str, slot: int, x, w2, operands2, signature2: str, stride,
+                    z: torch.Tensor, config: ShortcutConfig | None = None) -> torch.Tensor:
+    """z = epilogue1(conv1x1(y, w1)) with its operand `slot` the residual epilogue2(conv1x1(x, w2, stride)),
+    written into the preallocated channels_last z (ops/shortcut.py's output). operands1 has no tensor at `slot`."""
+    operands1 = [*operands1[:slot], z, *operands1[slot:]]  # the stand-in: a tensor laid out as the residual
+    key = plan_key("conv2d_shortcut", signature1, slot, signature2, tuple(stride), config, y, w1, x, w2, z,
+                   *operands1, *operands2)
+    plan = _PLANS.get(key)
+    if plan is None:
+        why = refusal(y, w1, x, w2, stride) or unaligned(y, w1, w2)
+        if why is None and not nhwc_dense(z):
+            why = "the shortcut kernel writes a channels_last output"
+        if why:
+            raise NotImplementedError(why)
+        cfg = config or default_config(ShortcutProblem(_rows(z).shape[0], y.shape[1], x.shape[1], w1.shape[0],
+                                                       y.element_size(), sm_count(y.device)))
+        plan = _PLANS[key] = ShortcutPlan(y, w1, operands1, signature1, slot, x, w2, operands2, signature2, stride,
+                                          z, cfg)
+    if z.numel():
+        plan.launch(y, w1, operands1, signature1, x, w2, operands2, signature2, z)
+    return z

@@ -1,0 +1,107 @@
+"""The shortcut pass (passes/shortcut_conv.py) and resfuse::conv2d_shortcut through whole compiles under the
+interpreter: a downsampling bottleneck's shortcut conv is computed inside its last conv (stride 1 and 2), the
+network matches eager, the chains take the other tails, and the pairs the kernel cannot take say why."""
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings, strategies as st
+
+import resfuse
+from resfuse.ops import PATHS
+
+from .helpers import compare, net, reasons, rel
+
+
+def _fusions(report, anchor):
+    return [f for f in report.fusions if f.anchor == anchor]
+
+
+@settings(max_examples=6, deadline=None)
+@given(blocks=st.integers(2, 3), mid=st.sampled_from([16, 32]), size=st.tuples(st.integers(3, 6), st.integers(3, 7)),
+       batch=st.integers(1, 2))
+def test_downsampling_blocks_compute_their_shortcut_inside_the_last_conv(blocks, mid, size, batch):
+    # a stage like ResNet's layer 1 (its first block's shortcut at stride 1), then a strided stage's first block
+    # (at least 2x2 pixels out: at one pixel and batch 1 FuseAddToOutput gives the add to the shortcut conv)
+    torch.manual_seed(blocks * 100 + mid)
+    model = net((16, mid, blocks, 1), (mid * 4, mid, 1, 2))
+    out, ref, report = compare(model, torch.randn(batch, 3, *size))
+    assert rel(out, ref) < 5e-3
+    shortcuts = _fusions(report, "conv2d_shortcut")
+    assert len(shortcuts) == 2
+    assert all(f.pattern == "conv2d_bn_conv2d_bn_add_relu" for f in shortcuts)
+    assert len(_fusions(report, "conv2d_chain")) == blocks - 1  # every tail but the first block's
+    assert {path for (op, _, path), n in PATHS.items() if op == "conv2d_shortcut" and n} == {"triton"}
+    assert not [f for f in report.fusions if f.anchor == "conv2d" and f.pattern == "conv2d_bn"]  # no shortcut left
+
+
+def test_switch_off_and_the_aten_provider_keep_two_convs():
+    model = net((16, 16, 2, 1), (64, 16, 1, 2))
+    x = torch.randn(1, 3, 6, 6)
+    for config in ({"shortcut_convs": False}, {"providers": ("aten",)}):
+        out, ref, report = compare(model, x, **config)
+        assert rel(out, ref) < 5e-3
+        assert not _fusions(report, "conv2d_shortcut")
+
+
+class ReadTwice(nn.Module):
+    """The shortcut's output is also returned: it must be written, so it stays a conv of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.main, self.short = nn.Conv2d(16, 32, 1), nn.Conv2d(16, 32, 1, stride=2)
+
+    def forward(self, y, x):
+        r = self.short(x)
+        return torch.relu(self.main(y) + r), r
+
+
+class PaddedShortcut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.main, self.short = nn.Conv2d(16, 32, 1), nn.Conv2d(16, 32, 3, stride=2, padding=1)
+
+    def forward(self, y, x):
+        return torch.relu(self.main(y) + self.short(x))
+
+
+class ThreeByThreeMain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.main, self.short = nn.Conv2d(16, 32, 3, padding=1), nn.Conv2d(16, 32, 1, stride=2)
+
+    def forward(self, y, x):
+        return torch.relu(self.main(y) + self.short(x))
+
+
+@pytest.mark.parametrize("model, reason", [
+    (ReadTwice(), "other readers"), (PaddedShortcut(), "padded"), (ThreeByThreeMain(), "not 1x1 stride 1"),
+])
+def test_pairs_the_kernel_cannot_take_say_why(model, reason):
+    model = model.eval().half().to(memory_format=torch.channels_last)
+    y, x = (torch.randn(s).half().contiguous(memory_format=torch.channels_last) for s in ((1, 16, 3, 3), (1, 16, 6, 6)))
+    torch._dynamo.reset()
+    compiled = resfuse.compile(model, interpret=True)
+    with torch.no_grad():
+        out = compiled(y, x)
+        ref = model.double()(y.double(), x.double())
+    for o, r in zip(out if isinstance(out, tuple) else [out], ref if isinstance(ref, tuple) else [ref]):
+        assert rel(o, r) < 5e-3
+    report = compiled.resfuse_report
+    assert not _fusions(report, "conv2d_shortcut")
+    assert reason in reasons(report)
+
+
+def test_dynamic_batch_keeps_the_shortcut():
+    """A batch marked dynamic: one capture, its shortcut op serves every batch size."""
+    model = net((16, 16, 1, 2)).eval().half().to(memory_format=torch.channels_last)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(model, interpret=True)
+    with torch.no_grad():
+        for batch in (2, 3):
+            x = torch.randn(batch, 3, 6, 5).half().contiguous(memory_format=torch.channels_last)
+            torch._dynamo.mark_dynamic(x, 0)
+            ref = model.double()(x.double())
+            model.half()
+            assert rel(compiled(x), ref) < 5e-3
+    report = compiled.resfuse_report
+    assert len(report.graphs) == 1 and len(_fusions(report, "conv2d_shortcut")) == 1
