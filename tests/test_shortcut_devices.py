@@ -44,10 +44,10 @@ def test_resnet50_downsampling_blocks_match_float64(device):
         y, w1, bn1, x, w2, bn2 = _block(4 if device == "cuda" else 2, k1, n, k2, side, stride, device)
         ref = _reference(y, w1, bn1, x, w2, bn2, stride)
         p = shortcut.ShortcutProblem(y.shape[0] * side * side, k1, k2, n, 2, 132 if device == "cuda" else 1)
-        configs = [None]
+        configs = [None, shortcut.ShortcutConfig(32, 32, 32, 8, 4, 2, tma_store=True)]
         if device == "cuda":  # each tile shape of the space once (the tuner checks every candidate it times)
-            configs += [c for c in (shortcut.ShortcutConfig(bm, bn, 64, 8, 4, 4) for bm in (64, 128) for bn in (64, 128))
-                        if c.check(p)]
+            configs = [None, *(c for c in (shortcut.ShortcutConfig(bm, bn, 64, 8, 4, 4, store) for bm in (64, 128)
+                                           for bn in (64, 128) for store in (False, True)) if c.check(p))]
         for cfg in configs:
             z = torch.full_like(ref, float("nan"), dtype=torch.float16).contiguous(memory_format=torch.channels_last)
             shortcut.conv2d_shortcut(y, w1, bn1, MAIN, 4, x, w2, bn2, SHORT, [stride, stride], z, cfg)

@@ -7,7 +7,8 @@ Entry points: `conv2d_shortcut(y, w1, operands1, signature1, slot, x, w2, operan
 config=None)`, reached through resfuse.kernels (ops/shortcut.py calls it); `refusal(y, w1, x, w2, stride)`;
 `ShortcutConfig` with `SPACE` and `default_config` (the tuning space, tuning/space.py). Unfused, r is written
 and read back by the main conv: at ResNet-50's first block, bs32, 51 MB each way. Here each program computes
-its output tile of r first (x sampled at the stride through pointer loads, w2 through a tensor descriptor), applies
+its output tile of r first (x sampled at the stride through pointer loads, or at stride 1 through a tensor
+descriptor, as w2 always is), applies
 the shortcut's epilogue and rounds r to the output dtype, as the store would have; then the main conv's
 reduction (y and w1 through descriptors) and its epilogue, which reads r from registers instead of memory
 (operand `slot` of signature1; operands1 has a stand-in there, never read).
@@ -26,7 +27,7 @@ import triton
 from .. import epilogue as epi
 from . import codegen, options
 from .chain import _rows, nhwc_dense, unaligned
-from .plan import operand_args, operand_strides, pdl_meta, plan_key, sm_count
+from .plan import descriptor_output, operand_args, operand_strides, pdl_meta, plan_key, sm_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,7 @@ class ShortcutConfig:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    tma_store: bool = False  # the output written by bulk stores, where descriptor_output accepts it
 
     def check(self, p: ShortcutProblem) -> bool:
         # registers: the fp32 accumulator and the 16-bit residual held through the main conv's reduction
@@ -57,16 +59,16 @@ class ShortcutConfig:
 
 
 SPACE = {"block_m": (64, 128), "block_n": (64, 128), "block_k": (64,), "group_m": (8,), "num_warps": (4, 8),
-         "num_stages": (3, 4)}
+         "num_stages": (3, 4), "tma_store": (False, True)}
 
 
 def default_config(p: ShortcutProblem) -> ShortcutConfig:
-    """128 x 128 tiles of 8 warps where the channels fill them, 128 x 64 of 4 warps otherwise; under the
-    interpreter (one SM) small tiles, so that edge tiles are exercised."""
+    """64 x 128 tiles of 4 warps (64 x 64 for fewer channels), what the tuner kept on ResNet-50's blocks at bs32
+    (bench/results/ab_shortcut_rn50_bs32_run2_thirtysecond_h100.log); under the interpreter (one SM) small tiles,
+    so that edge tiles are exercised."""
     if p.sms == 1:
         return ShortcutConfig(32, 32, 32, 8, 4, 2)
-    wide = p.n >= 128
-    return ShortcutConfig(128, 128 if wide else 64, 64, 8, 8 if wide else 4, 3 if wide else 4)
+    return ShortcutConfig(64, 128 if p.n >= 128 else 64, 64, 8, 4, 4)
 
 
 def refusal(y: torch.Tensor, w1: torch.Tensor, x: torch.Tensor, w2: torch.Tensor, stride) -> str | None:
@@ -93,7 +95,8 @@ def source(signature1: str, signature2: str, slot: int) -> str:
     tree1, tree2 = epi.parse(signature1), epi.parse(signature2)
     params = ["y_desc", "w1_desc", "x", "w2_desc", "out", "M", "N", "P", "OW", "s_xn", "s_xh", "s_xw", "s_xc",
               *epi.triton_params(tree1, "e1_"), *epi.triton_params(tree2, "e2_"),
-              *[f"{c}: tl.constexpr" for c in ("K1", "K2", "BM", "BN", "BK", "GROUP_M", "PRECISION", "PDL")]]
+              *[f"{c}: tl.constexpr" for c in ("K1", "K2", "BM", "BN", "BK", "GROUP_M", "X_TMA", "OUT_TMA",
+                                                  "PRECISION", "PDL")]]
     body2 = epi.triton_body(tree2, "r_val", prefix="e2_")
     body1 = epi.triton_body(tree1, "z_val", prefix="e1_", given={slot: "r.to(tl.float32)"})
     param_lines = "\n".join(f"    {p}," for p in params)
@@ -121,24 +124,31 @@ def resfuse_conv2d_shortcut(
     offs_c = tile_n * BN + tl.arange(0, BN)
     mask_c = offs_c < N
     mask = row_ok[:, None] & mask_c[None, :]
-    # the shortcut: x's pixel under each output row, at the conv's stride (folded into s_xh and s_xw)
+    # the shortcut: x's pixel under each output row, at the conv's stride (folded into s_xh and s_xw); at stride 1
+    # on a dense channels_last x, x's rows are the output's, read through a descriptor (X_TMA)
     x_rows = s_idx.to(tl.int64) * s_xn + (p_idx // OW) * s_xh + (p_idx % OW) * s_xw
     offs_k = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K2, BK):
-        k_ok = k0 + offs_k < K2
-        a = tl.load(x + x_rows[:, None] + (k0 + offs_k)[None, :] * s_xc, mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)
+        if X_TMA:
+            a = x.load([tile_m * BM, k0])
+        else:
+            k_ok = k0 + offs_k < K2
+            a = tl.load(x + x_rows[:, None] + (k0 + offs_k)[None, :] * s_xc, mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
         acc = mma(a, tl.trans(w2_desc.load([tile_n * BN, k0])), acc, PRECISION)
     # epilogue 2: {signature2}
 {textwrap.indent(body2, " " * 4)}
-    r = r_val.to(out.dtype.element_ty)  # rounded as the shortcut's output would have been stored
+    r = r_val.to(y_desc.dtype)  # rounded as the shortcut's output would have been stored (the inputs' dtype)
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K1, BK):
         acc = mma(y_desc.load([tile_m * BM, k0]), tl.trans(w1_desc.load([tile_n * BN, k0])), acc, PRECISION)
     # epilogue 1: {signature1}
 {textwrap.indent(body1, " " * 4)}
-    tl.store(out + rows.to(tl.int64)[:, None] * N + offs_c[None, :], z_val.to(out.dtype.element_ty), mask=mask)
+    if OUT_TMA:  # one bulk store, clipped at the matrix's edges
+        out.store([tile_m * BM, tile_n * BN], z_val.to(y_desc.dtype))
+    else:
+        tl.store(out + rows.to(tl.int64)[:, None] * N + offs_c[None, :], z_val.to(y_desc.dtype), mask=mask)
 '''
 
 
@@ -150,6 +160,9 @@ class ShortcutPlan:
         m, n = _rows(z).shape
         bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
         self.boxes = ([bm, bk], [bn, bk], [bn, bk])
+        self.x_tma = list(stride) == [1, 1] and nhwc_dense(x) and x.data_ptr() % 16 == 0
+        smem = cfg.num_stages * (bm + bn) * bk * y.element_size()
+        self.out_box = descriptor_output(z, m, n, n, [bm, bn], smem) if cfg.tma_store else None
         self.strides1 = operand_strides(signature1, operands1, z.shape, 1)
         self.strides2 = operand_strides(signature2, operands2, z.shape, 1)
         self.kernel = codegen.load_source("conv2d_shortcut", f"{signature1};{signature2}|{slot}",
@@ -158,7 +171,8 @@ class ShortcutPlan:
         s_n, s_c, s_h, s_w = x.stride()
         self.head = [m, n, z.shape[2] * z.shape[3], z.shape[3], s_n, s_h * stride[0], s_w * stride[1], s_c]
         upcast = y.dtype == torch.bfloat16 and options()["interpret"]  # see tiles.mma
-        self.meta = dict(K1=y.shape[1], K2=x.shape[1], BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m,
+        self.meta = dict(K1=y.shape[1], K2=x.shape[1], BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, X_TMA=self.x_tma,
+                         OUT_TMA=self.out_box is not None,
                          PRECISION="upcast" if upcast else "ieee", num_warps=cfg.num_warps,
                          num_stages=cfg.num_stages, **pdl_meta(y.device))
 
@@ -167,9 +181,11 @@ class ShortcutPlan:
 
         mats = (_rows(y), w1.reshape(w1.shape[0], -1), w2.reshape(w2.shape[0], -1))
         descs = [TensorDescriptor.from_tensor(t, box) for t, box in zip(mats, self.boxes)]
+        x_arg = TensorDescriptor.from_tensor(_rows(x), self.boxes[0]) if self.x_tma else x
+        out = TensorDescriptor(z, *self.out_box) if self.out_box else z
         ops1 = operand_args(operands1, self.strides1, {}, signature1, z.shape, 1)
         ops2 = operand_args(operands2, self.strides2, {}, signature2, z.shape, 1)
-        self.kernel[self.grid](descs[0], descs[1], x, descs[2], z, *self.head, *ops1, *ops2, **self.meta)
+        self.kernel[self.grid](descs[0], descs[1], x_arg, descs[2], out, *self.head, *ops1, *ops2, **self.meta)
 
 
 _PLANS: dict = {}

@@ -1,6 +1,7 @@
 """The shortcut kernel (kernels/shortcut.py) under the interpreter: a 1x1 conv whose residual is another 1x1 conv
-(any stride, x in any layout), computed in the same kernel; random epilogues on both, pixel and channel counts
-that are not multiples of the tiles; and its refusals."""
+(any stride, x in any layout: read through a descriptor at stride 1 in channels_last, else by pointers), computed
+in the same kernel; random epilogues on both, pixel and channel counts that are not multiples of the tiles, bulk
+or per-thread stores; and its refusals."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -48,8 +49,8 @@ def _check(y, w1, ops1, tree1, slot, x, w2, ops2, tree2, stride, z, dtype):
 @given(data=st.data(), dtype=st.sampled_from([torch.float16, torch.bfloat16]), n=st.integers(1, 2),
        oh=st.integers(1, 4), ow=st.integers(1, 5), stride=st.sampled_from([1, 2]), k1=st.sampled_from([16, 40]),
        k2=st.sampled_from([8, 32]), c=st.sampled_from([16, 24, 40]), x_layout=st.sampled_from(["nhwc", "nchw"]),
-       block=st.sampled_from([(16, 16, 16), (32, 16, 32)]))
-def test_shortcut_matches_two_convs(data, dtype, n, oh, ow, stride, k1, k2, c, x_layout, block):
+       block=st.sampled_from([(16, 16, 16), (32, 16, 32)]), tma_store=st.booleans())
+def test_shortcut_matches_two_convs(data, dtype, n, oh, ow, stride, k1, k2, c, x_layout, block, tma_store):
     tree1, roles1, slot = _main_tree(data)
     tree2, roles2 = data.draw(trees())
     y = _nhwc([n, k1, oh, ow], dtype)
@@ -62,7 +63,7 @@ def test_shortcut_matches_two_convs(data, dtype, n, oh, ow, stride, k1, k2, c, x
     ops2 = _operands(data, roles2, [n, c, oh, ow], dtype)
     z = torch.full([n, c, oh, ow], float("nan"), dtype=dtype).contiguous(memory_format=torch.channels_last)
     bm, bn, bk = block
-    cfg = shortcut.ShortcutConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=4, num_stages=2)
+    cfg = shortcut.ShortcutConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=4, num_stages=2, tma_store=tma_store)
     shortcut.conv2d_shortcut(y, w1, ops1, str(tree1), slot, x, w2, ops2, str(tree2), [stride, stride], z, cfg)
     _check(y, w1, ops1, tree1, slot, x, w2, ops2, tree2, (stride, stride), z, dtype)
 
@@ -110,5 +111,6 @@ def test_shortcut_config_check():
     p = shortcut.ShortcutProblem(m=1568, k1=512, k2=1024, n=2048, dtype_bytes=2, sms=132)
     assert shortcut.default_config(p).check(p)
     assert not shortcut.ShortcutConfig(block_m=256, block_n=256, num_warps=8).check(p)  # registers
+    assert not shortcut.ShortcutConfig(block_m=128, block_n=128, num_warps=4).check(p)
     narrow = shortcut.ShortcutProblem(100352, 64, 64, 64, 2, 132)
     assert shortcut.default_config(narrow).block_n == 64
