@@ -7,8 +7,9 @@ Entry points: `conv2d_shortcut(y, w1, operands1, signature1, slot, x, w2, operan
 config=None)`, reached through resfuse.kernels (ops/shortcut.py calls it); `refusal(y, w1, x, w2, stride)`;
 `ShortcutConfig` with `SPACE` and `default_config` (the tuning space, tuning/space.py). Unfused, r is written
 and read back by the main conv: at ResNet-50's first block, bs32, 51 MB each way. Here each program computes
-its output tile of r first (x sampled at the stride through pointer loads, or at stride 1 through a tensor
-descriptor, as w2 always is), applies
+its output tile of r first (x sampled at the stride through pointer loads, w2 through a tensor descriptor; x
+through a descriptor at stride 1 measured slower, 57 against 47 us on ResNet-50's first block at bs32, where
+each reduction is one block of 64 channels), applies
 the shortcut's epilogue and rounds r to the output dtype, as the store would have; then the main conv's
 reduction (y and w1 through descriptors) and its epilogue, which reads r from registers instead of memory
 (operand `slot` of signature1; operands1 has a stand-in there, never read).
@@ -95,8 +96,8 @@ def source(signature1: str, signature2: str, slot: int) -> str:
     tree1, tree2 = epi.parse(signature1), epi.parse(signature2)
     params = ["y_desc", "w1_desc", "x", "w2_desc", "out", "M", "N", "P", "OW", "s_xn", "s_xh", "s_xw", "s_xc",
               *epi.triton_params(tree1, "e1_"), *epi.triton_params(tree2, "e2_"),
-              *[f"{c}: tl.constexpr" for c in ("K1", "K2", "BM", "BN", "BK", "GROUP_M", "X_TMA", "OUT_TMA",
-                                                  "PRECISION", "PDL")]]
+              *[f"{c}: tl.constexpr" for c in ("K1", "K2", "BM", "BN", "BK", "GROUP_M", "OUT_TMA", "PRECISION",
+                                                  "PDL")]]
     body2 = epi.triton_body(tree2, "r_val", prefix="e2_")
     body1 = epi.triton_body(tree1, "z_val", prefix="e1_", given={slot: "r.to(tl.float32)"})
     param_lines = "\n".join(f"    {p}," for p in params)
@@ -124,18 +125,14 @@ def resfuse_conv2d_shortcut(
     offs_c = tile_n * BN + tl.arange(0, BN)
     mask_c = offs_c < N
     mask = row_ok[:, None] & mask_c[None, :]
-    # the shortcut: x's pixel under each output row, at the conv's stride (folded into s_xh and s_xw); at stride 1
-    # on a dense channels_last x, x's rows are the output's, read through a descriptor (X_TMA)
+    # the shortcut: x's pixel under each output row, at the conv's stride (folded into s_xh and s_xw)
     x_rows = s_idx.to(tl.int64) * s_xn + (p_idx // OW) * s_xh + (p_idx % OW) * s_xw
     offs_k = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K2, BK):
-        if X_TMA:
-            a = x.load([tile_m * BM, k0])
-        else:
-            k_ok = k0 + offs_k < K2
-            a = tl.load(x + x_rows[:, None] + (k0 + offs_k)[None, :] * s_xc, mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0)
+        k_ok = k0 + offs_k < K2
+        a = tl.load(x + x_rows[:, None] + (k0 + offs_k)[None, :] * s_xc, mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
         acc = mma(a, tl.trans(w2_desc.load([tile_n * BN, k0])), acc, PRECISION)
     # epilogue 2: {signature2}
 {textwrap.indent(body2, " " * 4)}
@@ -160,7 +157,6 @@ class ShortcutPlan:
         m, n = _rows(z).shape
         bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
         self.boxes = ([bm, bk], [bn, bk], [bn, bk])
-        self.x_tma = list(stride) == [1, 1] and nhwc_dense(x) and x.data_ptr() % 16 == 0
         smem = cfg.num_stages * (bm + bn) * bk * y.element_size()
         self.out_box = descriptor_output(z, m, n, n, [bm, bn], smem) if cfg.tma_store else None
         self.strides1 = operand_strides(signature1, operands1, z.shape, 1)
@@ -171,7 +167,7 @@ class ShortcutPlan:
         s_n, s_c, s_h, s_w = x.stride()
         self.head = [m, n, z.shape[2] * z.shape[3], z.shape[3], s_n, s_h * stride[0], s_w * stride[1], s_c]
         upcast = y.dtype == torch.bfloat16 and options()["interpret"]  # see tiles.mma
-        self.meta = dict(K1=y.shape[1], K2=x.shape[1], BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, X_TMA=self.x_tma,
+        self.meta = dict(K1=y.shape[1], K2=x.shape[1], BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m,
                          OUT_TMA=self.out_box is not None,
                          PRECISION="upcast" if upcast else "ieee", num_warps=cfg.num_warps,
                          num_stages=cfg.num_stages, **pdl_meta(y.device))
@@ -181,11 +177,10 @@ class ShortcutPlan:
 
         mats = (_rows(y), w1.reshape(w1.shape[0], -1), w2.reshape(w2.shape[0], -1))
         descs = [TensorDescriptor.from_tensor(t, box) for t, box in zip(mats, self.boxes)]
-        x_arg = TensorDescriptor.from_tensor(_rows(x), self.boxes[0]) if self.x_tma else x
-        out = TensorDescriptor(z, *self.out_box) if self.out_box else z
         ops1 = operand_args(operands1, self.strides1, {}, signature1, z.shape, 1)
         ops2 = operand_args(operands2, self.strides2, {}, signature2, z.shape, 1)
-        self.kernel[self.grid](descs[0], descs[1], x_arg, descs[2], out, *self.head, *ops1, *ops2, **self.meta)
+        out = TensorDescriptor(z, *self.out_box) if self.out_box else z
+        self.kernel[self.grid](descs[0], descs[1], x, descs[2], out, *self.head, *ops1, *ops2, **self.meta)
 
 
 _PLANS: dict = {}

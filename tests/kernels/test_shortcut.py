@@ -1,7 +1,6 @@
 """The shortcut kernel (kernels/shortcut.py) under the interpreter: a 1x1 conv whose residual is another 1x1 conv
-(any stride, x in any layout: read through a descriptor at stride 1 in channels_last, else by pointers), computed
-in the same kernel; random epilogues on both, pixel and channel counts that are not multiples of the tiles, bulk
-or per-thread stores; and its refusals."""
+(any stride, x in any layout), computed in the same kernel; random epilogues on both, pixel and channel counts that
+are not multiples of the tiles, bulk or per-thread stores; and its refusals."""
 import pytest
 import torch
 import torch.nn.functional as F
