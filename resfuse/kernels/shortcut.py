@@ -59,8 +59,10 @@ class ShortcutConfig:
                 and self.num_warps in (4, 8))
 
 
+# two stages too: at ResNet-50's first block each reduction is one block of 64 channels, so deeper pipelines only
+# take shared memory from a second or third program on the SM
 SPACE = {"block_m": (64, 128), "block_n": (64, 128), "block_k": (64,), "group_m": (8,), "num_warps": (4, 8),
-         "num_stages": (3, 4), "tma_store": (False, True)}
+         "num_stages": (2, 3, 4), "tma_store": (False, True)}
 
 
 def default_config(p: ShortcutProblem) -> ShortcutConfig:

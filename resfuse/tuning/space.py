@@ -5,7 +5,7 @@ config's `check` in kernels/matmul.py, kernels/conv2d_fprop.py, kernels/conv2d_d
 kernels/conv2d_bwd_data.py, kernels/chain.py and kernels/shortcut.py); here it is pruned by level:
   none  the heuristic default only (no tuning);
   fast  the default and a few tile shapes around it that suit Hopper (the default level); for the chain kernel
-        and the shortcut kernel, the default and its whole space (eight and sixteen configs);
+        and the shortcut kernel, the default and its whole space (eight and about forty configs);
   max   every point of SPACE that passes `check` (hundreds of compiles: slow).
 """
 from __future__ import annotations
