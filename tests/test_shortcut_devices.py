@@ -1,7 +1,8 @@
 """The shortcut kernel (kernels/shortcut.py) on ResNet-50's four downsampling blocks' shapes, compiled on the GPU
-(`TRITON_INTERPRET=0 pytest -m requires_cuda tests/test_shortcut_devices.py`) for each tile shape of its space, and
-one small block under the interpreter: relu(bn(conv(y)) + bn(conv(x, stride))) against float64, the residual
-rounded to fp16 as the unfused path stores it."""
+(`TRITON_INTERPRET=0 pytest -m requires_cuda tests/test_shortcut_devices.py`) for each tile shape of its space, in
+both forms (two epilogues; the sum, both batch norms folded), and one small block under the interpreter:
+relu(bn(conv(y)) + bn(conv(x, stride))) against float64, the residual rounded to fp16 as the unfused path stores
+it (the sum form's is not rounded: both are within the tolerance)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -39,17 +40,24 @@ def _reference(y, w1, bn1, x, w2, bn2, stride):
 @pytest.mark.parametrize("device", DEVICES)
 def test_resnet50_downsampling_blocks_match_float64(device):
     skip_unless_available(device)
+    from resfuse.ops import shortcut as op
+
     blocks = RESNET50 if device == "cuda" else [(16, 48, 32, 5, 2)]
     for k1, n, k2, side, stride in blocks:
         y, w1, bn1, x, w2, bn2 = _block(4 if device == "cuda" else 2, k1, n, k2, side, stride, device)
         ref = _reference(y, w1, bn1, x, w2, bn2, stride)
         p = shortcut.ShortcutProblem(y.shape[0] * side * side, k1, k2, n, 2, 132 if device == "cuda" else 1)
-        configs = [None, shortcut.ShortcutConfig(32, 32, 32, 8, 4, 2, tma_store=True)]
+        configs = [None, shortcut.ShortcutConfig(32, 32, 32, 8, 4, 2, tma_store=True),
+                   shortcut.ShortcutConfig(32, 32, 32, 8, 4, 2, fold=True)]
         if device == "cuda":  # each tile shape of the space once (the tuner checks every candidate it times)
-            configs = [None, *(c for c in (shortcut.ShortcutConfig(bm, bn, 64, 8, 4, 4, store) for bm in (64, 128)
-                                           for bn in (64, 128) for store in (False, True)) if c.check(p))]
+            configs = [None, *(c for c in (shortcut.ShortcutConfig(bm, bn, 64, 8, w, 4, store, fold)
+                                           for bm in (64, 128, 256) for bn in (64, 128, 256) for w in (4, 8)
+                                           for store in (False, True) for fold in (False, True))
+                               if c.check(p) and (c.num_warps == 4 or c.fold)
+                               and (not c.tma_store or c.block_n == 256))]
+        call = op.call_of(y, w1, bn1, MAIN, 4, x, w2, bn2, SHORT, [stride, stride])
         for cfg in configs:
             z = torch.full_like(ref, float("nan"), dtype=torch.float16).contiguous(memory_format=torch.channels_last)
-            shortcut.conv2d_shortcut(y, w1, bn1, MAIN, 4, x, w2, bn2, SHORT, [stride, stride], z, cfg)
+            op.run_kernel(call, cfg, z)
             err = (z.double() - ref).abs() / (1 + ref.abs())
             assert not z.isnan().any() and err.max().item() < 5e-3, (k1, n, k2, side, stride, cfg, err.max().item())

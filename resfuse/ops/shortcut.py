@@ -11,11 +11,13 @@ kernel refuses the shapes, the two convs run as two ops. PATHS records "triton" 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Sequence
 
 import torch
 
+from .. import epilogue as epi
 from . import fused, library
 from .chain import ONE
 
@@ -52,14 +54,92 @@ def parts(call):
     return call.operands[:n], epilogue1, slot, call.operands[n:], epilogue2, stride
 
 
-def run_kernel(call, config, z: torch.Tensor | None = None) -> torch.Tensor:
-    """Our kernel with `config` (None: its heuristic default), into z (allocated when None)."""
+def run_kernel(call, config, z: torch.Tensor | None = None, values: bool = True) -> torch.Tensor:
+    """Our kernel with `config` (None: its heuristic default), into z (allocated when None). A config with `fold`
+    runs the sum form (`summed`), or where that does not apply or its fold overflows, the two epilogues; without
+    `values`, the sum form's kernel on unfolded weights and an unset shift (what precompile's dry run compiles:
+    the launch of the same kernel, not its result)."""
     from .. import kernels
 
     ops1, sig1, slot, ops2, sig2, stride = parts(call)
     y, w1, x, w2 = call.inputs
-    return kernels.conv2d_shortcut(y, w1, ops1, sig1, slot, x, w2, ops2, sig2, stride,
-                                   call.out.empty() if z is None else z, config)
+    z = call.out.empty() if z is None else z
+    if getattr(config, "fold", False):
+        one = summed(call, values)
+        if one is not None:
+            w1, w2, operands, signature = one
+            return kernels.conv2d_shortcut(y, w1, operands, signature, None, x, w2, [], None, stride, z, config)
+        config = dataclasses.replace(config, fold=False)
+    return kernels.conv2d_shortcut(y, w1, ops1, sig1, slot, x, w2, ops2, sig2, stride, z, config)
+
+
+def summed(call, values: bool = True):
+    """(w1, w2, operands, signature) of the pair as one sum of convs, bn1(y @ w1) + bn2(x @ w2) = y @ (w1 * s1) +
+    x @ (w2 * s2) + (t1 + t2): both batch norms folded into their weights (providers/fold_bn.py's Folds, which a
+    CUDA graph keeps in step with the parameters), their shifts added in the epilogue. None where the epilogues
+    are not of that form (`summed_tree`) or a fold overflows fp16. The residual is then not rounded to fp16 before
+    the add, as the unfused path rounds it: closer to the float64 value, not bit-equal to eager's. Without `values`,
+    unfolded weights and unset shifts of the same shapes (fold_bn.folded_form)."""
+    from ..providers import fold_bn
+
+    ops1, sig1, slot, ops2, sig2, stride = parts(call)
+    tree = summed_tree(sig1, slot, len(ops1) + 1, sig2)
+    if tree is None:
+        return None
+    y, w1, x, w2 = call.inputs
+    main = fused.call_of("conv2d", (y, w1), [*ops1[:slot], y, *ops1[slot:]], sig1, ONE)  # y: the residual's stand-in
+    short = fused.call_of("conv2d", (x, w2), ops2, sig2, (stride, *UNPADDED))
+    if fold_bn.fold_refusal(main) or fold_bn.fold_refusal(short):
+        return None
+    fold = fold_bn.folded_call if values else fold_bn.folded_form
+    main, short = fold(main), fold(short)
+    if main is None or short is None:
+        return None
+    operands = [main.operands[o.slot] if o.slot < len(main.operands) else short.operands[-1]
+                for o in epi.operands(tree)]
+    return main.inputs[1], short.inputs[1], operands, _compact(tree)
+
+
+@functools.lru_cache(maxsize=None)
+def summed_tree(signature1: str, slot: int, shift: int, signature2: str) -> epi.Node | None:
+    """The main epilogue as the sum form's: its batch norm folded (operand `shift` its shift), and
+    add(shift form, residual) replaced by add(add(acc, c<shift>), c<shift + 1>), the shortcut's folded shift. None
+    unless the shortcut's epilogue is its batch norm alone and the main's adds the residual straight to its batch
+    norm, the accumulator and the residual read nowhere else (a downsampling bottleneck's relu(bn(acc) + r))."""
+    tree2 = epi.parse(signature2)
+    if not (isinstance(tree2, epi.Op) and tree2.name == "bn" and tree2.args[0] == epi.ACC):
+        return None
+    found = epi.fold_bn(epi.parse(signature1), shift)
+    if found is None:
+        return None
+    folded, residual = found[0], {epi.Operand(slot, "full"), epi.Operand(slot, "nc")}
+    norm = epi.Op("add", (epi.ACC, epi.Operand(shift, "c")))
+    both = epi.Op("add", (norm, epi.Operand(shift + 1, "c")))
+
+    def merge(n):
+        if isinstance(n, epi.Op) and n.name == "add" and len({*n.args} & residual) == 1 and norm in n.args:
+            return both
+        return epi.Op(n.name, tuple(map(merge, n.args)), n.params) if isinstance(n, epi.Op) else n
+
+    tree = merge(folded)
+    if _count(tree, epi.ACC) != 1 or _count(folded, epi.ACC) != 1 or any(o.slot == slot for o in epi.operands(tree)):
+        return None
+    return tree
+
+
+def _count(n, leaf) -> int:
+    return (n == leaf) + (sum(_count(a, leaf) for a in n.args) if isinstance(n, epi.Op) else 0)
+
+
+def _compact(tree) -> str:
+    """The tree with its operands numbered 0, 1, ... in slot order (the kernel's operand list holds those alone)."""
+    index = {o.slot: i for i, o in enumerate(epi.operands(tree))}
+
+    def renumber(n):
+        if isinstance(n, epi.Operand):
+            return epi.Operand(index[n.slot], n.kind)
+        return epi.Op(n.name, tuple(map(renumber, n.args)), n.params) if isinstance(n, epi.Op) else n
+    return str(renumber(tree))
 
 
 def run_separate(call, provider: str = "triton") -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The triton provider: our generated kernels, one candidate per config of the level's space.
 
-Each candidate has an epilogue-free twin (signature "acc") for stage 1, but those of our kernels of two convs; at the fast
-level a TMA GEMM's candidate also has a variant that writes its output by bulk stores (space.bulk_store_twin),
+Each candidate has an epilogue-free twin (signature "acc") for stage 1, but those of our kernels of two convs; at the
+fast level a TMA GEMM's candidate also has a variant that writes its output by bulk stores (space.bulk_store_twin),
 timed in stage 2 if the candidate is shortlisted. All write to scratch buffers.
 """
 from __future__ import annotations
@@ -59,15 +59,21 @@ def candidates(call, level: str) -> list[Candidate]:
 def _pair_candidates(call, level: str) -> list[Candidate]:
     """The configs of our kernel of two convs (a chain, or a conv and its residual's), stage 2 only: with the
     epilogues removed it would compute something else (the second conv's input or residual without its
-    epilogue), so there is no epilogue-free twin to time first."""
+    epilogue), so there is no epilogue-free twin to time first. A sum-form config of the shortcut kernel reads its
+    batch norms' values to fold them; its dry run (precompile.py, on scratch tensors) launches the same kernel from
+    the shapes alone."""
     from ..ops import chain as chain_op, shortcut as shortcut_op
 
     if call.op == "conv2d_chain":
         y, z = chain_op.y_output(call).empty(), call.out.empty()
-        run = lambda cfg: chain_op.run_chain(call, cfg, y, z)  # noqa: E731
-    else:
-        z = call.out.empty()
-        run = lambda cfg: shortcut_op.run_kernel(call, cfg, z)  # noqa: E731
-    return [Candidate("triton", "triton:" + ",".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()),
-                      dataclasses.asdict(cfg), run=lambda cfg=cfg: run(cfg))
+        return [_candidate(cfg, lambda cfg=cfg: chain_op.run_chain(call, cfg, y, z))
+                for cfg in space.configs(call, level)]
+    z = call.out.empty()
+    return [_candidate(cfg, lambda cfg=cfg: shortcut_op.run_kernel(call, cfg, z),
+                       (lambda cfg=cfg: shortcut_op.run_kernel(call, cfg, z, values=False)) if cfg.fold else None)
             for cfg in space.configs(call, level)]
+
+
+def _candidate(cfg, run, triton_part=None) -> Candidate:
+    return Candidate("triton", "triton:" + ",".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()),
+                     dataclasses.asdict(cfg), run=run, triton_part=triton_part)

@@ -30,7 +30,9 @@ class Candidate:
     run: Callable[[], torch.Tensor]  # the fused op on scratch buffers, returns its output (a tuple: its outputs)
     mainloop: Callable[[], object] | None = None  # the same config without the epilogue (stage 1), if any
     variants: tuple["Candidate", ...] = ()  # stage 2 only, if this one is shortlisted: its mainloop is this one's
-    triton_part: Callable[[], object] | None = None  # a non-triton provider's Triton kernel alone, to compile it
+    # a non-triton provider's Triton kernel alone, to compile it; for a triton candidate whose run reads values
+    # (the folds of ops/shortcut.py's sum form), the same launches from the shapes alone
+    triton_part: Callable[[], object] | None = None
 
 
 @dataclasses.dataclass

@@ -113,3 +113,22 @@ def test_shortcut_config_check():
     assert not shortcut.ShortcutConfig(block_m=128, block_n=128, num_warps=4).check(p)
     narrow = shortcut.ShortcutProblem(100352, 64, 64, 64, 2, 132)
     assert shortcut.default_config(narrow).block_n == 64
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from([torch.float16, torch.bfloat16]), n=st.integers(1, 2),
+       oh=st.integers(1, 4), ow=st.integers(1, 5), stride=st.sampled_from([1, 2]), k1=st.sampled_from([16, 40]),
+       k2=st.sampled_from([8, 32]), c=st.sampled_from([16, 24]), tma_store=st.booleans())
+def test_sum_form_matches_the_two_convs_summed(data, dtype, n, oh, ow, stride, k1, k2, c, tma_store):
+    """Without a second epilogue (slot and signature2 None): one accumulator for both reductions, then the epilogue."""
+    tree, roles = data.draw(trees())
+    y = _nhwc([n, k1, oh, ow], dtype)
+    x = torch.randn(n, k2, oh * stride, ow * stride).to(dtype).contiguous(memory_format=torch.channels_last)
+    w1 = (torch.randn(c, k1, 1, 1) / k1 ** 0.5).to(dtype)
+    w2 = (torch.randn(c, k2, 1, 1) / k2 ** 0.5).to(dtype)
+    ops = _operands(data, roles, [n, c, oh, ow], dtype)
+    z = torch.full([n, c, oh, ow], float("nan"), dtype=dtype).contiguous(memory_format=torch.channels_last)
+    cfg = shortcut.ShortcutConfig(32, 16, 16, 8, 4, 2, tma_store=tma_store)
+    shortcut.conv2d_shortcut(y, w1, ops, str(tree), None, x, w2, [], None, [stride, stride], z, cfg)
+    acc = F.conv2d(y.double(), w1.double()) + F.conv2d(x.double(), w2.double(), stride=stride)
+    assert_close(epi.rows3(z, z.shape, 1), reference(acc, tree, ops, 1), dtype)

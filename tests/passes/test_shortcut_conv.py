@@ -4,6 +4,7 @@ network matches eager, the chains take the other tails, and the pairs the kernel
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import resfuse
@@ -105,3 +106,42 @@ def test_dynamic_batch_keeps_the_shortcut():
             assert rel(compiled(x), ref) < 5e-3
     report = compiled.resfuse_report
     assert len(report.graphs) == 1 and len(_fusions(report, "conv2d_shortcut")) == 1
+
+
+def test_the_sum_form_folds_both_batch_norms_or_falls_back_to_two_epilogues():
+    """A config with fold runs the op as one sum of convs, its batch norms folded into the weights; where a fold
+    overflows fp16 (a weight of 60000 doubled, on an input channel of zeros), the two epilogues run instead."""
+    from resfuse import kernels
+    from resfuse.kernels.shortcut import ShortcutConfig
+    from resfuse.ops import shortcut
+
+    kernels.set_options(interpret=True)
+    cl, main, short = torch.channels_last, "relu(add(bn[#1e-05](acc,c0,c1,c2,c3),full4))", "bn[#1e-05](acc,c0,c1,c2,c3)"
+    y = torch.randn(2, 16, 3, 4).half().contiguous(memory_format=cl)
+    x = torch.randn(2, 32, 6, 8).half().contiguous(memory_format=cl)
+    x[:, 0] = 0
+    w1, w2 = (torch.randn(48, 16, 1, 1) / 4).half(), (torch.randn(48, 32, 1, 1) / 6).half()
+
+    def bn(c, weight=None):
+        return [torch.randn(c) * 0.1, torch.rand(c) + 0.5, torch.rand(c) + 0.5 if weight is None else weight,
+                torch.randn(c) * 0.1]
+
+    def expect(bn1, bn2):
+        def norm(t, m, v, g, b):
+            return (t - m[:, None, None]) / torch.sqrt(v[:, None, None] + 1e-5) * g[:, None, None] + b[:, None, None]
+        r = norm(F.conv2d(x.double(), w2.double(), stride=2), *(t.double() for t in bn2))
+        return torch.relu(norm(F.conv2d(y.double(), w1.double()), *(t.double() for t in bn1)) + r)
+
+    cfg = ShortcutConfig(32, 32, 32, 8, 4, 2, fold=True)
+    bn1, bn2 = bn(48), bn(48)
+    call = shortcut.call_of(y, w1, bn1, main, 4, x, w2, bn2, short, [2, 2])
+    assert shortcut.summed(call) is not None
+    assert rel(shortcut.run_kernel(call, cfg), expect(bn1, bn2)) < 2e-3
+
+    big = w2.clone()
+    big[:, 0] = 60000
+    bn2 = [torch.zeros(48), torch.ones(48) - 1e-5, torch.full((48,), 2.0), torch.zeros(48)]
+    call = shortcut.call_of(y, w1, bn1, main, 4, x, big, bn2, short, [2, 2])
+    assert shortcut.summed(call) is None  # 120000 does not fit fp16
+    z = shortcut.run_kernel(call, cfg)
+    assert z.isfinite().all() and rel(z, expect(bn1, bn2)) < 2e-3
