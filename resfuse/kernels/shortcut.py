@@ -39,6 +39,7 @@ class ShortcutProblem:
     n: int  # output channels
     dtype_bytes: int
     sms: int
+    foldable: bool = False  # the op can run as the sum form (ops/shortcut.py's summed_tree): its configs fold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,20 +63,25 @@ class ShortcutConfig:
             regs = max(self.block_m, self.block_n) <= 128 and tile * 3 // 2 <= 128 * 32 * self.num_warps
         smem = self.num_stages * (self.block_m + self.block_n) * self.block_k * p.dtype_bytes
         return (min(self.block_m, self.block_n, self.block_k) >= 16 and smem <= 220 * 1024 and regs
-                and self.num_warps in (4, 8))
+                and self.num_warps in (4, 8) and self.fold == p.foldable)
 
 
-# (two stages measured no faster on ResNet-50's first block, whose reductions are one block of 64 channels)
+# (two stages measured no faster on ResNet-50's first block, whose reductions are one block of 64 channels); an op
+# gets the configs of one form: the sum form's where it folds (it won every block of ResNet-50 at bs32 and bs256, run
+# 7), else the two-epilogue form's
 SPACE = {"block_m": (64, 128, 256), "block_n": (64, 128, 256), "block_k": (64,), "group_m": (8,), "num_warps": (4, 8),
          "num_stages": (3, 4), "tma_store": (False, True), "fold": (False, True)}
 
 
 def default_config(p: ShortcutProblem) -> ShortcutConfig:
-    """64 x 128 tiles of 4 warps (64 x 64 for fewer channels), what the tuner kept on ResNet-50's blocks at bs32
-    (bench/results/ab_shortcut_rn50_bs32_run2_thirtysecond_h100.log); under the interpreter (one SM) small tiles,
-    so that edge tiles are exercised."""
+    """The sum form where the op folds: 128 x 128 tiles of 4 warps, bulk stores, what the tuner kept on three of
+    ResNet-50's four blocks at bs32 (bench/results/ab_shortcut_sumform_rn50_bs32_bs256_run7_thirtysecond_h100.log);
+    otherwise 64 x 128 of 4 warps (64 x 64 for fewer channels), as it kept for the two-epilogue form (run 2). Under
+    the interpreter (one SM) small tiles, so that edge tiles are exercised."""
     if p.sms == 1:
-        return ShortcutConfig(32, 32, 32, 8, 4, 2)
+        return ShortcutConfig(32, 32, 32, 8, 4, 2, fold=p.foldable)
+    if p.foldable:
+        return ShortcutConfig(128, 128, 64, 8, 4, 3, tma_store=True, fold=True)
     return ShortcutConfig(64, 128 if p.n >= 128 else 64, 64, 8, 4, 4)
 
 

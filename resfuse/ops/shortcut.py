@@ -55,16 +55,19 @@ def parts(call):
 
 
 def run_kernel(call, config, z: torch.Tensor | None = None, values: bool = True) -> torch.Tensor:
-    """Our kernel with `config` (None: its heuristic default), into z (allocated when None). A config with `fold`
+    """Our kernel with `config` (None: its heuristic default, the sum form's where the op folds), into z (allocated
+    when None). A config with `fold`
     runs the sum form (`summed`), or where that does not apply or its fold overflows, the two epilogues; without
     `values`, the sum form's kernel on unfolded weights and an unset shift (what precompile's dry run compiles:
     the launch of the same kernel, not its result)."""
     from .. import kernels
+    from ..tuning import space
 
     ops1, sig1, slot, ops2, sig2, stride = parts(call)
     y, w1, x, w2 = call.inputs
     z = call.out.empty() if z is None else z
-    if getattr(config, "fold", False):
+    config = config or space.module(call).default_config(space.problem(call))
+    if config.fold:
         one = summed(call, values)
         if one is not None:
             w1, w2, operands, signature = one
@@ -83,14 +86,12 @@ def summed(call, values: bool = True):
     from ..providers import fold_bn
 
     ops1, sig1, slot, ops2, sig2, stride = parts(call)
+    if not foldable(call):
+        return None
     tree = summed_tree(sig1, slot, len(ops1) + 1, sig2)
-    if tree is None:
-        return None
     y, w1, x, w2 = call.inputs
-    main = fused.call_of("conv2d", (y, w1), [*ops1[:slot], y, *ops1[slot:]], sig1, ONE)  # y: the residual's stand-in
+    main = fused.call_of("conv2d", (y, w1), [*ops1[:slot], y, *ops1[slot:]], sig1, ONE)
     short = fused.call_of("conv2d", (x, w2), ops2, sig2, (stride, *UNPADDED))
-    if fold_bn.fold_refusal(main) or fold_bn.fold_refusal(short):
-        return None
     fold = fold_bn.folded_call if values else fold_bn.folded_form
     main, short = fold(main), fold(short)
     if main is None or short is None:
@@ -98,6 +99,19 @@ def summed(call, values: bool = True):
     operands = [main.operands[o.slot] if o.slot < len(main.operands) else short.operands[-1]
                 for o in epi.operands(tree)]
     return main.inputs[1], short.inputs[1], operands, _compact(tree)
+
+
+def foldable(call) -> bool:
+    """Can the op run as the sum form (its epilogues' form, and both batch norms' vectors one value a channel)?"""
+    from ..providers import fold_bn
+
+    ops1, sig1, slot, ops2, sig2, stride = parts(call)
+    if summed_tree(sig1, slot, len(ops1) + 1, sig2) is None:
+        return False
+    y, w1, x, w2 = call.inputs
+    main = fused.call_of("conv2d", (y, w1), [*ops1[:slot], y, *ops1[slot:]], sig1, ONE)  # y: the residual's stand-in
+    return not (fold_bn.fold_refusal(main) or fold_bn.fold_refusal(
+        fused.call_of("conv2d", (x, w2), ops2, sig2, (stride, *UNPADDED))))
 
 
 @functools.lru_cache(maxsize=None)

@@ -5,7 +5,7 @@ config's `check` in kernels/matmul.py, kernels/conv2d_fprop.py, kernels/conv2d_d
 kernels/conv2d_bwd_data.py, kernels/chain.py and kernels/shortcut.py); here it is pruned by level:
   none  the heuristic default only (no tuning);
   fast  the default and a few tile shapes around it that suit Hopper (the default level); for the chain kernel
-        and the shortcut kernel, the default and its whole space (eight and about forty configs);
+        and the shortcut kernel, the default and its whole space (eight, and 16 or 28 configs of one form);
   max   every point of SPACE that passes `check` (hundreds of compiles: slow).
 """
 from __future__ import annotations
@@ -60,9 +60,11 @@ def problem(call):
         return chain.ChainProblem(call.out.shape[0] * call.out.shape[2] * call.out.shape[3], x.shape[1], w1.shape[0],
                                   w2.shape[0], x.element_size(), sm_count(dev))
     if call.op == "conv2d_shortcut":
+        from ..ops import shortcut as op
+
         y, w1, x, _ = call.inputs
         return shortcut.ShortcutProblem(call.out.shape[0] * call.out.shape[2] * call.out.shape[3], y.shape[1],
-                                        x.shape[1], w1.shape[0], y.element_size(), sm_count(dev))
+                                        x.shape[1], w1.shape[0], y.element_size(), sm_count(dev), op.foldable(call))
     if call.op == "conv2d_dgrad":
         grad_out, w = call.inputs
         stride = call.params[0]

@@ -1,6 +1,8 @@
 """The shortcut kernel (kernels/shortcut.py) under the interpreter: a 1x1 conv whose residual is another 1x1 conv
 (any stride, x in any layout), computed in the same kernel; random epilogues on both, pixel and channel counts that
 are not multiples of the tiles, bulk or per-thread stores; and its refusals."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -113,6 +115,9 @@ def test_shortcut_config_check():
     assert not shortcut.ShortcutConfig(block_m=128, block_n=128, num_warps=4).check(p)
     narrow = shortcut.ShortcutProblem(100352, 64, 64, 64, 2, 132)
     assert shortcut.default_config(narrow).block_n == 64
+    folds = dataclasses.replace(p, foldable=True)  # an op of one form gets that form's configs alone
+    assert shortcut.default_config(folds).fold and shortcut.default_config(folds).check(folds)
+    assert not shortcut.default_config(p).check(folds) and not shortcut.default_config(folds).check(p)
 
 
 @settings(max_examples=25, deadline=None)
