@@ -5,7 +5,8 @@
                               into z's accumulator as soon as it is stored
 
 Entry points: `conv2d_chain(x, w1, operands1, signature1, w2, operands2, signature2, y, z, config=None)`, reached
-through resfuse.kernels (ops/chain.py calls it); `refusal(x, w1, w2)` and `unaligned(*tensors)`; `ChainConfig`
+through resfuse.kernels (ops/chain.py calls it); `refusal(x, w1, w2)`, and for kernels/shortcut.py too
+`unaligned(*tensors)`, `nhwc_dense(t)` and `pixel_rows(t)`; `ChainConfig`
 with `SPACE` and `default_config` (the tuning space, tuning/space.py). Both convs are 1x1, stride 1, unpadded,
 groups 1, on a channels_last fp16/bf16 input: GEMMs over the N*H*W pixel rows, every operand read through TMA
 descriptors (a full epilogue operand too, where it is laid out like the output). The kernel is persistent: each
@@ -100,7 +101,7 @@ def unaligned(*tensors: torch.Tensor) -> str | None:
     return "a tensor descriptor needs 16-byte aligned tensors" if any(t.data_ptr() % 16 for t in tensors) else None
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
+def pixel_rows(t: torch.Tensor) -> torch.Tensor:
     """A channels_last [N, C, H, W] tensor as its [N*H*W, C] matrix (a view)."""
     return t.permute(0, 2, 3, 1).reshape(-1, t.shape[1])
 
@@ -185,7 +186,8 @@ class ChainPlan:
     def launch(self, x, w1, w2, operands1, signature1, operands2, signature2, y, z):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        mats = (_rows(x), w1.reshape(w1.shape[0], -1), w2.reshape(w2.shape[0], -1), _rows(y), _rows(z))
+        mats = (pixel_rows(x), w1.reshape(w1.shape[0], -1), w2.reshape(w2.shape[0], -1), pixel_rows(y),
+                pixel_rows(z))
         descs = [TensorDescriptor.from_tensor(t, box) for t, box in zip(mats, self.boxes)]
         ops1 = operand_args(operands1, self.strides1, self.slots1, signature1, y.shape, 1)
         ops2 = operand_args(operands2, self.strides2, self.slots2, signature2, z.shape, 1)
@@ -207,7 +209,7 @@ def conv2d_chain(x, w1, operands1, signature1: str, w2, operands2, signature2: s
             why = "the chain kernel writes channels_last outputs"
         if why:
             raise NotImplementedError(why)
-        cfg = config or default_config(ChainProblem(_rows(x).shape[0], x.shape[1], w1.shape[0], w2.shape[0],
+        cfg = config or default_config(ChainProblem(pixel_rows(x).shape[0], x.shape[1], w1.shape[0], w2.shape[0],
                                                     x.element_size(), sm_count(x.device)))
         plan = _PLANS[key] = ChainPlan(x, w1, w2, operands1, signature1, operands2, signature2, y, z, cfg)
     if y.numel():

@@ -6,16 +6,21 @@
 Entry points: `conv2d_shortcut(y, w1, operands1, signature1, slot, x, w2, operands2, signature2, stride, z,
 config=None)`, reached through resfuse.kernels (ops/shortcut.py calls it); `refusal(y, w1, x, w2, stride)`;
 `ShortcutConfig` with `SPACE` and `default_config` (the tuning space, tuning/space.py). Unfused, r is written
-and read back by the main conv: at ResNet-50's first block, bs32, 51 MB each way. Here each program computes
-its output tile of r first (x sampled at the stride through pointer loads, w2 through a tensor descriptor; x
-through a descriptor at stride 1 measured slower, 57 against 47 us on ResNet-50's first block at bs32, where
-each reduction is one block of 64 channels), applies
-the shortcut's epilogue and rounds r to the output dtype, as the store would have; then the main conv's
-reduction (y and w1 through descriptors) and its epilogue, which reads r from registers instead of memory
-(operand `slot` of signature1; operands1 has a stand-in there, never read).
+and read back by the main conv: at ResNet-50's first block, bs32, 51 MB each way.
 
-Both convs are 1x1 and unpadded, groups 1; the main one stride 1 on a dense channels_last fp16/bf16 y, the
-shortcut any stride on x of any layout. Channels are multiples of 8 (a descriptor's rows are 16-byte aligned).
+Each program first reduces its tile of the shortcut conv: x is sampled at the stride through pointer loads, and
+w2 is read through a tensor descriptor. Reading x through a descriptor at stride 1 measured slower: 57 against
+47 us on ResNet-50's first block at bs32, where each reduction is one block of 64 channels. Then, in one of two
+forms:
+  - two epilogues: it applies the shortcut's epilogue and rounds r to the output dtype, as the store would have;
+    then the main conv's reduction (y and w1 through descriptors) and its epilogue, which reads r from registers
+    (operand `slot` of signature1; operands1 has a stand-in there, never read);
+  - the sum (slot and signature2 None): the main conv's reduction goes on in the same accumulator, then
+    epilogue1 alone. ops/shortcut.py folds both batch norms into the weights for it, and with no r held, the
+    registers take 128 x 256 tiles.
+
+Both convs are 1x1 and unpadded, groups 1. The main one is stride 1 on a dense channels_last fp16/bf16 y; the
+shortcut has any stride, on x of any layout. Channels are multiples of 8 (a descriptor's rows are 16-byte aligned).
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ import triton
 
 from .. import epilogue as epi
 from . import codegen, options
-from .chain import _rows, nhwc_dense, unaligned
+from .chain import nhwc_dense, pixel_rows, unaligned
 from .plan import descriptor_output, operand_args, operand_strides, pdl_meta, plan_key, sm_count
 
 
@@ -174,7 +179,7 @@ class ShortcutPlan:
 
     def __init__(self, y, w1, operands1, signature1, slot, x, w2, operands2, signature2, stride, z,
                  cfg: ShortcutConfig):
-        m, n = _rows(z).shape
+        m, n = pixel_rows(z).shape
         bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
         self.boxes = ([bm, bk], [bn, bk], [bn, bk])
         smem = cfg.num_stages * (bm + bn) * bk * y.element_size()
@@ -195,7 +200,7 @@ class ShortcutPlan:
     def launch(self, y, w1, operands1, signature1, x, w2, operands2, signature2, z):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        mats = (_rows(y), w1.reshape(w1.shape[0], -1), w2.reshape(w2.shape[0], -1))
+        mats = (pixel_rows(y), w1.reshape(w1.shape[0], -1), w2.reshape(w2.shape[0], -1))
         descs = [TensorDescriptor.from_tensor(t, box) for t, box in zip(mats, self.boxes)]
         ops1 = operand_args(operands1, self.strides1, {}, signature1, z.shape, 1)
         ops2 = [] if signature2 is None else operand_args(operands2, self.strides2, {}, signature2, z.shape, 1)
@@ -223,8 +228,8 @@ def conv2d_shortcut(y, w1, operands1, signature1: str, slot: int | None, x, w2, 
             why = "the shortcut kernel writes a channels_last output"
         if why:
             raise NotImplementedError(why)
-        cfg = config or default_config(ShortcutProblem(_rows(z).shape[0], y.shape[1], x.shape[1], w1.shape[0],
-                                                       y.element_size(), sm_count(y.device)))
+        cfg = config or default_config(ShortcutProblem(pixel_rows(z).shape[0], y.shape[1], x.shape[1],
+                                                       w1.shape[0], y.element_size(), sm_count(y.device)))
         plan = _PLANS[key] = ShortcutPlan(y, w1, operands1, signature1, slot, x, w2, operands2, signature2, stride,
                                           z, cfg)
     if z.numel():

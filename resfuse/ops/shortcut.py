@@ -5,9 +5,16 @@
 
 passes/shortcut_conv.py puts it into inference graphs in place of a downsampling bottleneck's two resfuse::conv2d
 calls (its shortcut conv, and its last conv, which absorbed the residual add). On the GPU the tuner (op
-"conv2d_shortcut") measures our kernel (kernels/shortcut.py: r stays in registers, never written) against the two
-convs as each was tuned on its own (provider "separate"), and the faster runs. Elsewhere, and wherever the
-kernel refuses the shapes, the two convs run as two ops. PATHS records "triton" or "separate".
+"conv2d_shortcut") measures our kernel (kernels/shortcut.py: r is never written) against the two convs as each was
+tuned on its own (provider "separate"), and the faster runs. Elsewhere, and wherever the kernel refuses the shapes,
+the two convs run as two ops. PATHS records "triton" or "separate".
+
+The kernel has two forms. With two epilogues, it computes r's tile, applies the shortcut's epilogue and holds r in
+registers for the main one. Where both epilogues are batch norms and the main one adds r to its own (a ResNet's
+relu(bn1(acc) + r)), the sum form folds both into the weights (`summed`), so that both reductions share one
+accumulator: relu(y @ (w1 * s1) + x @ (w2 * s2) + t1 + t2). That leaves the registers for wider tiles; it measured
+1.2-2.2x over the two convs on ResNet-50's blocks, against 1.0-1.7x for the two-epilogue form (BENCHMARKS.md,
+thirty-second session).
 """
 from __future__ import annotations
 
@@ -56,10 +63,9 @@ def parts(call):
 
 def run_kernel(call, config, z: torch.Tensor | None = None, values: bool = True) -> torch.Tensor:
     """Our kernel with `config` (None: its heuristic default, the sum form's where the op folds), into z (allocated
-    when None). A config with `fold`
-    runs the sum form (`summed`), or where that does not apply or its fold overflows, the two epilogues; without
-    `values`, the sum form's kernel on unfolded weights and an unset shift (what precompile's dry run compiles:
-    the launch of the same kernel, not its result)."""
+    when None). A config with `fold` runs the sum form (`summed`), or where that does not apply or a fold overflows,
+    the two epilogues. Without `values`, the sum form's kernel on unfolded weights and unset shifts: what
+    precompile's dry run compiles, the launch of the same kernel, not its result."""
     from .. import kernels
     from ..tuning import space
 
@@ -85,15 +91,12 @@ def summed(call, values: bool = True):
     unfolded weights and unset shifts of the same shapes (fold_bn.folded_form)."""
     from ..providers import fold_bn
 
-    ops1, sig1, slot, ops2, sig2, stride = parts(call)
     if not foldable(call):
         return None
+    ops1, sig1, slot, _, sig2, _ = parts(call)
     tree = summed_tree(sig1, slot, len(ops1) + 1, sig2)
-    y, w1, x, w2 = call.inputs
-    main = fused.call_of("conv2d", (y, w1), [*ops1[:slot], y, *ops1[slot:]], sig1, ONE)
-    short = fused.call_of("conv2d", (x, w2), ops2, sig2, (stride, *UNPADDED))
     fold = fold_bn.folded_call if values else fold_bn.folded_form
-    main, short = fold(main), fold(short)
+    main, short = (fold(half) for half in _halves(call))
     if main is None or short is None:
         return None
     operands = [main.operands[o.slot] if o.slot < len(main.operands) else short.operands[-1]
@@ -105,13 +108,17 @@ def foldable(call) -> bool:
     """Can the op run as the sum form (its epilogues' form, and both batch norms' vectors one value a channel)?"""
     from ..providers import fold_bn
 
+    ops1, sig1, slot, _, sig2, _ = parts(call)
+    return summed_tree(sig1, slot, len(ops1) + 1, sig2) is not None and not any(
+        map(fold_bn.fold_refusal, _halves(call)))
+
+
+def _halves(call) -> tuple:
+    """The pair's two convs as fused conv2d Calls: the main one (y standing in for its residual), the shortcut."""
     ops1, sig1, slot, ops2, sig2, stride = parts(call)
-    if summed_tree(sig1, slot, len(ops1) + 1, sig2) is None:
-        return False
     y, w1, x, w2 = call.inputs
-    main = fused.call_of("conv2d", (y, w1), [*ops1[:slot], y, *ops1[slot:]], sig1, ONE)  # y: the residual's stand-in
-    return not (fold_bn.fold_refusal(main) or fold_bn.fold_refusal(
-        fused.call_of("conv2d", (x, w2), ops2, sig2, (stride, *UNPADDED))))
+    return (fused.call_of("conv2d", (y, w1), [*ops1[:slot], y, *ops1[slot:]], sig1, ONE),
+            fused.call_of("conv2d", (x, w2), ops2, sig2, (stride, *UNPADDED)))
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,4 +1,5 @@
-"""The inference batch norm folded into a conv's weight, for the cudnn provider (providers/cudnn.py).
+"""The inference batch norm folded into a conv's weight, for the cudnn provider (providers/cudnn.py) and the shortcut
+kernel's sum form (ops/shortcut.py).
 
 Entry points: `fold_refusal(call)`, `folded_call(call)` (the call with its weight folded and its epilogue's bn node
 replaced by a shift, or None while that fold overflows the weight's dtype), `folded_form(call)` (its shapes alone),
@@ -74,7 +75,8 @@ class Fold:
             fits = bool((folded.abs() <= torch.finfo(w.dtype).max).all() & torch.isfinite(self.shift).all())
             if self.fits and not fits:
                 print(f"resfuse: a batch norm folded into the {w.dtype} conv weight {tuple(w.shape)} overflows it; "
-                      "the conv runs unfolded on ATen until its parameters fit again")
+                      "the conv runs unfolded (cuDNN's on ATen, a shortcut kernel with two epilogues) until its "
+                      "parameters fit again")
             self.fits = fits
         return True
 

@@ -1,6 +1,8 @@
 """The shortcut pass (passes/shortcut_conv.py) and resfuse::conv2d_shortcut through whole compiles under the
 interpreter: a downsampling bottleneck's shortcut conv is computed inside its last conv (stride 1 and 2), the
 network matches eager, the chains take the other tails, and the pairs the kernel cannot take say why."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -145,3 +147,25 @@ def test_the_sum_form_folds_both_batch_norms_or_falls_back_to_two_epilogues():
     assert shortcut.summed(call) is None  # 120000 does not fit fp16
     z = shortcut.run_kernel(call, cfg)
     assert z.isfinite().all() and rel(z, expect(bn1, bn2)) < 2e-3
+
+
+def test_the_sum_form_follows_in_place_parameter_updates():
+    """The folded weights are refolded when a batch norm's parameters change in place (an optimizer step,
+    load_state_dict): the same compiled model's next call matches eager with the new values."""
+    torch.manual_seed(7)
+    model = net((16, 16, 1, 2)).eval().half().to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 6, 6).half().contiguous(memory_format=torch.channels_last)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(model, interpret=True)
+    block = model[1]
+
+    def eager():  # on a copy: converting the model itself would give its parameters new storage
+        return copy.deepcopy(model).double()(x.double())
+    with torch.no_grad():
+        first = compiled(x)
+        assert rel(first, eager()) < 5e-3 and len(_fusions(compiled.resfuse_report, "conv2d_shortcut")) == 1
+        block.bn3.weight.mul_(-2.0)  # the main path's batch norm
+        block.down[1].running_var.mul_(3.0)  # the shortcut's
+        block.down[1].bias.add_(1.0)
+        moved = compiled(x)
+        assert rel(moved, eager()) < 5e-3 and rel(moved, first) > 1e-2
