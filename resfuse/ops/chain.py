@@ -96,21 +96,27 @@ def conv2d_chain_impl(x: torch.Tensor, w1: torch.Tensor, operands1: Sequence[tor
                       w2: torch.Tensor, operands2: Sequence[torch.Tensor], epilogue2: str,
                       provider: str) -> tuple[torch.Tensor, torch.Tensor]:
     call = call_of(x, w1, list(operands1), epilogue1, w2, list(operands2), epilogue2)
-    if fused._use_triton(x.device, provider):
+    return run_pair(call, provider, run_chain, run_separate)
+
+
+def run_pair(call, provider: str, kernel, separate):
+    """An op of two fused convs (this chain, ops/shortcut.py's pair): where our kernels run, on the first sight of
+    its shapes `separate(call, provider)`, the two convs as two ops, which tunes each on its own, so that the pair
+    is then measured against their winners, not tuned again inside its own measurement; later, what the tuner chose,
+    `kernel(call, config)` or the two convs. PATHS records "triton" or "separate"."""
+    if fused._use_triton(call.out.device, provider):
         from ..tuning import choose
 
         choice = choose.settled(call)
         if choice is None:
-            # first sight of these shapes: each conv is tuned on its own first, so that the chain is measured
-            # against their winners, not tuned again inside its own measurement
-            y, z = run_separate(call, provider)
+            out = separate(call, provider)
             choose.choose(call)
-            fused._record("conv2d_chain", call.signature, "separate")
-            return y, z
-        fused._record("conv2d_chain", call.signature, "triton" if choice.provider == "triton" else "separate")
+            fused._record(call.op, call.signature, "separate")
+            return out
+        fused._record(call.op, call.signature, "triton" if choice.provider == "triton" else "separate")
         if choice.provider == "triton":
-            return run_chain(call, choice.config)
-    return run_separate(call, provider)
+            return kernel(call, choice.config)
+    return separate(call, provider)
 
 
 conv2d_chain = library.Op("conv2d_chain", conv2d_chain_impl)

@@ -26,7 +26,7 @@ import torch
 
 from .. import epilogue as epi
 from . import fused, library
-from .chain import ONE
+from .chain import ONE, run_pair
 
 UNPADDED = ([0, 0], [1, 1])  # the shortcut conv's padding and dilation
 
@@ -184,21 +184,7 @@ def conv2d_shortcut_impl(y: torch.Tensor, w1: torch.Tensor, operands1: Sequence[
                          slot: int, x: torch.Tensor, w2: torch.Tensor, operands2: Sequence[torch.Tensor],
                          epilogue2: str, stride: Sequence[int], provider: str) -> torch.Tensor:
     call = call_of(y, w1, list(operands1), epilogue1, slot, x, w2, list(operands2), epilogue2, list(stride))
-    if fused._use_triton(y.device, provider):
-        from ..tuning import choose
-
-        choice = choose.settled(call)
-        if choice is None:
-            # first sight of these shapes: each conv is tuned on its own first, so that the pair is measured
-            # against their winners, not tuned again inside its own measurement
-            z = run_separate(call, provider)
-            choose.choose(call)
-            fused._record("conv2d_shortcut", call.signature, "separate")
-            return z
-        fused._record("conv2d_shortcut", call.signature, "triton" if choice.provider == "triton" else "separate")
-        if choice.provider == "triton":
-            return run_kernel(call, choice.config)
-    return run_separate(call, provider)
+    return run_pair(call, provider, run_kernel, run_separate)
 
 
 conv2d_shortcut = library.Op("conv2d_shortcut", conv2d_shortcut_impl)
