@@ -64,3 +64,28 @@ def test_convnext_tiny_fuses_pointwise_chains_and_depthwise_convs():
     # every block's depthwise 7x7 conv absorbs its bias (cuDNN runs the conv, our epilogue kernel the bias)
     depthwise = [f for f in report.fusions if f.anchor == "conv2d" and f.shapes["inputs"][1][1] == 1]
     assert len(depthwise) == 18 and all(f.ops == ["bias"] for f in depthwise)
+
+
+def test_small_resnet_fp16_runs_our_kernels_and_sums_each_shortcut_conv():
+    """An HF ResNet of four one-block stages in fp16 channels_last, our kernels under the interpreter: each stage's
+    downsampling block computes its shortcut conv inside its last conv (the sum form, both batch norms folded), and
+    the logits match float64 eager."""
+    torch.manual_seed(0)
+    config = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 1, 1])
+    model = transformers.ResNetForImageClassification(config).eval()
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):  # statistics a trained net could have, not the identity
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.5, 0.5)
+    model = model.half().to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 64, 64).half().contiguous(memory_format=torch.channels_last)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(model, interpret=True)
+    with torch.no_grad():
+        out = compiled(x).logits
+        ref = model.double()(x.double()).logits
+    assert rel(out.double(), ref) < 5e-3
+    shortcuts = [f for f in compiled.resfuse_report.fusions if f.anchor == "conv2d_shortcut"]
+    assert len(shortcuts) == 4 and {f.ran for f in shortcuts} == {"triton"}
