@@ -51,7 +51,7 @@ def main() -> None:
     import resfuse
     from resfuse.bench import models
     from resfuse.providers import cudnn
-    from resfuse.tuning import choose, precompile
+    from resfuse.tuning import choose, precompile, workers
 
     spent, counts = collections.defaultdict(float), collections.Counter()
 
@@ -147,7 +147,7 @@ def main() -> None:
     spent["triton compiles, thread CPU summed"] = sum(c[1] for c in compiles)
     counts["triton compiles, wall summed"] = counts["triton compiles, thread CPU summed"] = len(compiles)
     rows = {k: {"s": round(v, 2), "calls": counts[k]} for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
-    queue_check = _queued_against_used({k for k in precompile._QUEUED if k[0] != "cudnn"}, set(used))
+    queue_check = _queued_against_used({k for k in workers.QUEUED if k[0] != "cudnn"}, set(used))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "tune_profile.json"), "w") as f:
         json.dump({"model": args.model, "batch": args.batch, "cold_triton": args.cold_triton, "first_call_s": wall,

@@ -269,11 +269,11 @@ def test_a_workers_build_spec_rebuilds_the_graph_candidates_would_make(monkeypat
                     reason="needs a CUDA GPU and nvidia-cudnn-frontend (run on the GPU machine)")
 def test_a_compile_worker_builds_an_engine_config():
     """A real worker process builds the first engine config of a folded conv + batch norm + relu graph."""
-    from resfuse.tuning import precompile
+    from resfuse.tuning import workers
 
     x, w, ops, params, out = bn_conv_case((4, 64, 14, 14), 96, 3, 1, BN_RELU)
     spec = cudnn.build_spec(Call("conv2d", (x, w), ops, BN_RELU, params, out), "fast")
-    worker = precompile._Worker()
+    worker = workers.Worker()
     try:
         assert worker.ask(dict(spec, index=0)) is True
         assert worker.ask(dict(spec, index=10 ** 6)) is False

@@ -6,7 +6,7 @@ op of the graph that will be tuned (conv, GEMM, conv data gradient, their aux an
 1x1 convs and its two convs) has its candidates' kernels and engine configs queued for the workers at once;
 `precompile(fns)`, which choose.compile_in_parallel calls before it launches each candidate once: it waits for
 those kernels (queuing any not queued yet); `cudnn_built(call, level)`, which choose.tune calls before it times
-the candidates: the same for the call's cuDNN engine configs. `python -m resfuse.tuning.precompile` is the worker.
+the candidates: the same for the call's cuDNN engine configs. The worker processes are workers.py's.
 
 Why: a cold tuning is mostly compiles. MobileNetV3 bs32 on an H100 host (16 cores) compiled 759 Triton kernels in
 134 of its 215 s first call. On compile_in_parallel's threads a compile took 1.44 s of wall time, of which 0.48 s
@@ -23,8 +23,8 @@ How:
   without a GPU context. Triton's on-disk cache (TRITON_CACHE_DIR, inherited) then holds every kernel.
 - The callables' real first runs, on compile_in_parallel's threads, find their kernels there.
 - A cuDNN job describes a call's graph by shapes, strides and dtypes (providers/cudnn.build_spec), one job an
-  engine config. A pool of at most CUDNN_WORKERS workers, each with a GPU context, builds them on meta tensors
-  (cudnn.build_engine); the runtime-compiled kernels land in the CUDA driver's JIT cache on disk
+  engine config. A pool of at most workers.CUDNN_WORKERS workers, each with a GPU context, builds them on meta
+  tensors (cudnn.build_engine); the runtime-compiled kernels land in the CUDA driver's JIT cache on disk
   (CUDA_CACHE_PATH, inherited), where the tuning process's own build of the same engine config finds them.
 - Queued ahead for a whole graph, the workers compile the later ops' kernels while the tuner measures the first
   ones: an op no longer waits for the slowest of its own ~16 compiles after the previous op's measurement.
@@ -38,42 +38,24 @@ Switch: `Config.compile_workers` (env RESFUSE_COMPILE_WORKERS; 0 keeps compiling
 """
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
-import importlib
-import importlib.util
 import inspect
 import json
 import os
 import pickle
-import queue
-import struct
-import subprocess
 import sys
-import threading
 
-# a pool of workers per kind of job: Triton compiles (no GPU context), cuDNN engine builds (a GPU context each);
-# idle_s: a worker without work this long exits (the module's docstring says why)
-_POOLS: dict = {kind: {"workers": None, "jobs": None, "broken": False, "idle_s": idle_s}
-                for kind, idle_s in (("triton", 60.0), ("cudnn", 15.0))}
-_LOCK = threading.Lock()
-_QUEUED: dict = {}  # a kernel's specialisation, or ("cudnn", problem, engine index) -> the future of its build
+from . import workers
+
 WAIT_S = 300.0  # how long an op waits for its kernels' compiles (one took 1-3 s on an H100 host)
-CUDNN_WORKERS = 4  # at most: each holds a CUDA context (a few hundred MB of GPU memory) while it lives
-
-
-def workers_wanted() -> int:
-    from ..kernels import options
-    n = options().get("compile_workers")
-    return min(16, os.cpu_count() or 1) if n is None else max(0, int(n))
 
 
 def precompile(fns) -> int:
     """Compile in worker processes every Triton kernel the callables would launch (those queued already by
     `ahead` are waited for); returns how many compiled."""
-    if workers_wanted() == 0 or _POOLS["triton"]["broken"]:
+    if workers.wanted() == 0 or workers.POOLS["triton"]["broken"]:
         return 0
-    futures = _queue(record(fns))
+    futures = workers.submit(record(fns))
     done, _ = concurrent.futures.wait(futures, timeout=WAIT_S)  # past it, the threads compile what is missing
     return sum(bool(f.result()) for f in done)
 
@@ -87,7 +69,7 @@ def ahead(gm) -> int:
 
     devices = {v.device for n in gm.graph.nodes if (v := n.meta.get("val")) is not None
                and getattr(v, "device", None) is not None and v.device.type == "cuda"}
-    if workers_wanted() == 0 or _POOLS["triton"]["broken"] or not devices or level_now() == "none":
+    if workers.wanted() == 0 or workers.POOLS["triton"]["broken"] or not devices or level_now() == "none":
         return 0
     device = min(devices, key=str)
     queued = _off_thread(device, _queue_graph, gm)  # its scratch off the caller's thread, as tuning's
@@ -110,11 +92,11 @@ def _queue_graph(gm) -> int:
         seen.add(problem)
         return True
 
-    before = len(_QUEUED)
+    before = len(workers.QUEUED)
     for call in _calls(gm, wanted):  # refusals on the scratch tensors: the chain kernel's asks their addresses
-        _queue(record(triton_launches(providers.candidates(call, level_now(), ("triton", "epilogue")))))
+        workers.submit(record(triton_launches(providers.candidates(call, level_now(), ("triton", "epilogue")))))
         _queue_cudnn(call, level_now())
-    return len(_QUEUED) - before  # distinct kernels: problems share some (MobileNetV3 bs32: 730 for 989 futures)
+    return len(workers.QUEUED) - before  # distinct kernels: problems share some (MobileNetV3 bs32: 730 for 989 futures)
 
 
 def cudnn_built(call, level: str) -> None:
@@ -136,7 +118,7 @@ def _queue_cudnn(call, level: str) -> list:
     if spec is None:
         return []
     problem = fast_key(call)
-    return _queue([dict(spec, index=i) for i in range(spec["engines"])], "cudnn",
+    return workers.submit([dict(spec, index=i) for i in range(spec["engines"])], "cudnn",
                   lambda s: ("cudnn", problem, s["index"]))
 
 
@@ -219,51 +201,6 @@ def _scratch(v):
     return base.as_strided(v.shape, v.stride(), v.storage_offset())
 
 
-def _queue(specs, kind: str = "triton", key_of=lambda s: (s["module"], s["name"], s["specialization"])) -> list:
-    """Each spec's compile future: the one queued before for the same kernel, or a new one; none with the workers
-    switched off."""
-    n = workers_wanted() if kind == "triton" else min(CUDNN_WORKERS, workers_wanted())
-    if not specs or n == 0:
-        return []
-    futures = []
-    with _LOCK:  # one hold: no idle worker retires between the pool's start and the jobs' arrival
-        jobs = _start(kind, n)
-        if jobs is None:
-            return []
-        for spec in specs:
-            key = key_of(spec)
-            if key not in _QUEUED:
-                _QUEUED[key] = concurrent.futures.Future()
-                jobs.put((spec, _QUEUED[key]))
-            futures.append(_QUEUED[key])
-    return futures
-
-
-def _feed(worker, jobs: queue.Queue, pool: dict) -> None:
-    """A daemon thread's loop: hand its worker the queued specs one by one. Daemon threads, so that compiles still
-    queued (an op the budget left untuned) never hold up the interpreter's exit. Left without work for idle_s,
-    the worker exits, and the thread with it; the pool starts again with the next job."""
-    while True:
-        try:
-            spec, future = jobs.get(timeout=pool["idle_s"])
-        except queue.Empty:
-            with _LOCK:  # the lock _queue puts jobs under: an empty queue stays empty while the worker leaves
-                if jobs.empty():
-                    worker.close()
-                    pool["workers"].remove(worker)
-                    pool["workers"] = pool["workers"] or None
-                    return
-            continue
-        if pool["broken"]:
-            future.set_result(False)
-            continue
-        try:
-            future.set_result(worker.ask(spec))
-        except Exception:  # noqa: BLE001  a dead worker: this process compiles on threads from now on
-            pool["broken"] = True
-            future.set_result(False)
-
-
 def record(fns) -> list[dict]:
     """What each callable's launches would compile, one spec per distinct kernel; nothing compiles or runs."""
     import triton
@@ -320,114 +257,3 @@ def _tuples(value):
     if isinstance(value, dict):
         return {k: _tuples(v) for k, v in value.items()}
     return value
-
-
-class _Worker:
-    """One `python -m resfuse.tuning.precompile` process: a pickled spec in, a pickled bool out, each framed by
-    its length."""
-
-    def __init__(self):
-        env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self.proc = subprocess.Popen([sys.executable, "-m", "resfuse.tuning.precompile"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env)
-
-    def ask(self, spec: dict) -> bool:
-        _send(self.proc.stdin, spec)
-        return _receive(self.proc.stdout)
-
-    def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-
-def _start(kind: str, n: int):
-    """Under _LOCK: the job queue of a kind of job, with `n` workers and their feeding threads started where none
-    runs (one import of triton and torch a worker)."""
-    pool = _POOLS[kind]
-    if pool["broken"]:
-        return None
-    if pool["workers"] is None:
-        try:
-            pool["workers"] = [_Worker() for _ in range(n)]
-        except OSError:
-            pool["broken"] = True
-            return None
-        pool["jobs"] = queue.Queue()
-        for i, w in enumerate(pool["workers"]):
-            threading.Thread(target=_feed, args=(w, pool["jobs"], pool), name=f"resfuse-{kind}-{i}",
-                             daemon=True).start()
-    return pool["jobs"]
-
-
-@atexit.register
-def _stop() -> None:
-    """At exit: the workers are killed, mid-compile or not (Triton writes its cache files whole, by rename; the
-    CUDA driver its JIT cache's entries likewise)."""
-    for pool in _POOLS.values():
-        for w in list(pool["workers"] or ()):
-            w.close()
-
-
-def _send(stream, obj) -> None:
-    data = pickle.dumps(obj)
-    stream.write(struct.pack("<Q", len(data)) + data)
-    stream.flush()
-
-
-def _receive(stream):
-    head = stream.read(8)
-    if len(head) < 8:
-        raise EOFError("the compile worker exited")
-    (size,) = struct.unpack("<Q", head)
-    return pickle.loads(stream.read(size))
-
-
-def compile_spec(spec: dict) -> bool:
-    """In a worker: compile one recorded kernel into Triton's on-disk cache, or build one cuDNN engine config."""
-    if spec.get("kind") == "cudnn":
-        from ..providers import cudnn
-
-        return cudnn.build_engine(spec)
-    import triton
-    from triton.compiler import ASTSource, make_backend
-
-    if spec["module"] in sys.modules:
-        module = sys.modules[spec["module"]]
-    elif spec["module"].startswith("resfuse_generated."):  # codegen.load_source's files, imported by path
-        loaded = importlib.util.spec_from_file_location(spec["module"], spec["path"])
-        module = importlib.util.module_from_spec(loaded)
-        sys.modules[spec["module"]] = module  # Triton resolves the kernel's globals through its module
-        loaded.loader.exec_module(module)
-    else:
-        module = importlib.import_module(spec["module"])
-    jit = getattr(module, spec["name"])
-    options = make_backend(spec["target"]).parse_options(dict(spec["options"]))
-    triton.compile(ASTSource(jit, spec["signature"], spec["constants"], spec["attrs"]), target=spec["target"],
-                   options=options.__dict__)
-    return True
-
-
-def _serve() -> None:
-    """The worker's loop: until its stdin closes, compile each spec it is sent and answer whether it compiled.
-    Its stdout is the reply channel; whatever else writes to stdout (a print, a C library) goes to stderr."""
-    replies = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    requests = sys.stdin.buffer
-    while True:
-        try:
-            spec = _receive(requests)
-        except EOFError:
-            return
-        try:
-            ok = compile_spec(spec)
-        except Exception as e:  # noqa: BLE001  the parent compiles it itself
-            what = (f"cuDNN {spec['op']} {spec['signature']} engine config {spec['index']}"
-                    if spec.get("kind") == "cudnn" else f"{spec.get('module')}.{spec.get('name')}")
-            print(f"resfuse precompile: {what}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
-            ok = False
-        _send(replies, ok)
-
-
-if __name__ == "__main__":
-    _serve()

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from resfuse import kernels
-from resfuse.tuning import precompile
+from resfuse.tuning import precompile, workers
 
 PARENT = textwrap.dedent('''
     import os, sys
@@ -23,7 +23,7 @@ PARENT = textwrap.dedent('''
     from resfuse import kernels
     from resfuse.kernels import codegen
     from resfuse.kernels.elementwise import FAMILY
-    from resfuse.tuning import precompile
+    from resfuse.tuning import precompile, workers
 
     kernels.set_options(cache_dir=sys.argv[2])
     kernel = codegen.load(FAMILY, "relu(add(acc,c0))")  # a generated module, imported by path
@@ -52,7 +52,7 @@ PARENT = textwrap.dedent('''
         return local
     assert precompile._spec(make(), {}) is None
 
-    worker = precompile._Worker()
+    worker = workers.Worker()
     try:
         assert worker.ask(dict(spec, target=target)) is True
         wrong = dict(spec, target=target, name="no_such_kernel")
@@ -93,9 +93,9 @@ PARENT = textwrap.dedent('''
         # the pool: precompile() records, queues on its own worker (a feeding thread) and waits
         kernels.set_options(compile_workers=1)
         assert precompile.precompile([launch]) == 1
-        assert len(precompile._POOLS["triton"]["workers"]) == 1 and not precompile._POOLS["triton"]["broken"]
+        assert len(workers.POOLS["triton"]["workers"]) == 1 and not workers.POOLS["triton"]["broken"]
         assert precompile.precompile([launch]) == 1  # the same kernel: its first future, not a second compile
-        assert len(precompile._QUEUED) == 1
+        assert len(workers.QUEUED) == 1
     finally:
         worker.close()
     print("ok")
@@ -116,13 +116,13 @@ def test_worker_compiles_what_the_parent_then_finds(tmp_path):
 def test_switched_off_or_broken_records_nothing(monkeypatch):
     """compile_workers=0, or a pool that broke earlier in the process: no dry run (the callables never run)."""
     ran = []
-    monkeypatch.setitem(precompile._POOLS["triton"], "broken", False)
+    monkeypatch.setitem(workers.POOLS["triton"], "broken", False)
     kernels.set_options(compile_workers=0)
     try:
         assert precompile.precompile([lambda: ran.append(1)]) == 0
     finally:
         kernels.set_options(compile_workers=None)
-    monkeypatch.setitem(precompile._POOLS["triton"], "broken", True)
+    monkeypatch.setitem(workers.POOLS["triton"], "broken", True)
     assert precompile.precompile([lambda: ran.append(1)]) == 0
     assert ran == []
 
@@ -136,7 +136,7 @@ def test_options_back_to_tuples():
 def test_workers_wanted(n, want):
     kernels.set_options(compile_workers=n)
     try:
-        assert precompile.workers_wanted() == want
+        assert workers.wanted() == want
     finally:
         kernels.set_options(compile_workers=None)
 
@@ -193,8 +193,8 @@ def test_ahead_queues_the_candidates_of_ops_still_to_tune(monkeypatch):
     monkeypatch.setattr(choose, "needs_tuning", lambda call: call.op == "gemm")
     recorded = []  # a spec a callable, and the first again: a kernel two problems share is queued once
     monkeypatch.setattr(precompile, "record", lambda fns: recorded.append(list(fns)) or [*fns, *list(fns)[:1]])
-    monkeypatch.setattr(precompile, "_QUEUED", {})
-    monkeypatch.setattr(precompile, "_queue", lambda specs: [precompile._QUEUED.setdefault(s, s) for s in specs])
+    monkeypatch.setattr(workers, "QUEUED", {})
+    monkeypatch.setattr(workers, "submit", lambda specs: [workers.QUEUED.setdefault(s, s) for s in specs])
     assert precompile._queue_graph(None) == len(recorded[0]) > 0
     assert len(recorded) == 1  # the conv, already decided, was not dry-run
     from resfuse import providers
@@ -230,7 +230,7 @@ def test_a_dead_worker_resolves_every_queued_compile():
 
     dead, jobs = Dead(), queue.Queue()
     pool = {"workers": [dead], "jobs": jobs, "broken": False, "idle_s": 60.0}
-    threading.Thread(target=precompile._feed, args=(dead, jobs, pool), daemon=True).start()
+    threading.Thread(target=workers._feed, args=(dead, jobs, pool), daemon=True).start()
     futures = [concurrent.futures.Future() for _ in range(3)]
     for f in futures:
         jobs.put(({}, f))
@@ -255,19 +255,19 @@ def test_idle_workers_leave_and_the_pool_starts_again(monkeypatch):
         def close(self):
             closed.append(self)
 
-    monkeypatch.setattr(precompile, "_Worker", Worker)
-    monkeypatch.setattr(precompile, "_QUEUED", {})
-    monkeypatch.setitem(precompile._POOLS, "cudnn", {"workers": None, "jobs": None, "broken": False, "idle_s": 0.05})
+    monkeypatch.setattr(workers, "Worker", Worker)
+    monkeypatch.setattr(workers, "QUEUED", {})
+    monkeypatch.setitem(workers.POOLS, "cudnn", {"workers": None, "jobs": None, "broken": False, "idle_s": 0.05})
     kernels.set_options(compile_workers=2)
     try:
         key_of = lambda s: s["n"]  # noqa: E731
-        assert [f.result(timeout=30) for f in precompile._queue([{"n": 1}, {"n": 2}], "cudnn", key_of)] == [2, 4]
+        assert [f.result(timeout=30) for f in workers.submit([{"n": 1}, {"n": 2}], "cudnn", key_of)] == [2, 4]
         assert len(started) == 2
         deadline = time.monotonic() + 30
-        while precompile._POOLS["cudnn"]["workers"] is not None and time.monotonic() < deadline:
+        while workers.POOLS["cudnn"]["workers"] is not None and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert precompile._POOLS["cudnn"]["workers"] is None and sorted(map(id, closed)) == sorted(map(id, started))
-        assert precompile._queue([{"n": 3}], "cudnn", key_of)[0].result(timeout=30) == 6 and len(started) == 4
+        assert workers.POOLS["cudnn"]["workers"] is None and sorted(map(id, closed)) == sorted(map(id, started))
+        assert workers.submit([{"n": 3}], "cudnn", key_of)[0].result(timeout=30) == 6 and len(started) == 4
     finally:
         kernels.set_options(compile_workers=None)
 
@@ -412,14 +412,14 @@ def test_cudnn_engine_configs_are_queued_a_job_each_and_waited_for(monkeypatch):
     monkeypatch.setattr(precompile, "record", lambda fns: [])
     monkeypatch.setattr(providers.cudnn, "build_spec", lambda call, level: None if call.op == "gemm" else {
         "kind": "cudnn", "engines": 3, "op": call.op})
-    monkeypatch.setattr(precompile, "_QUEUED", {})
+    monkeypatch.setattr(workers, "QUEUED", {})
     started, jobs = [], []
-    monkeypatch.setattr(precompile, "_start", lambda kind, n: started.append((kind, n)) or type(
+    monkeypatch.setattr(workers, "_start", lambda kind, n: started.append((kind, n)) or type(
         "Q", (), {"put": lambda _, job: jobs.append(job)})())
     kernels.set_options(compile_workers=8)
     try:
         assert precompile._queue_graph(None) == 3
-        assert set(started) == {("cudnn", precompile.CUDNN_WORKERS)}
+        assert set(started) == {("cudnn", workers.CUDNN_WORKERS)}
         assert [spec["index"] for spec, _ in jobs] == [0, 1, 2] and all(s["op"] == "conv2d" for s, _ in jobs)
         for _, future in jobs:
             future.set_result(True)
@@ -428,7 +428,7 @@ def test_cudnn_engine_configs_are_queued_a_job_each_and_waited_for(monkeypatch):
         precompile.cudnn_built(calls[0], "fast")  # queued by the graph: waited for, not queued again
         assert len(jobs) == 3 and waited == [[f for _, f in jobs]]
         monkeypatch.setenv("CUDA_CACHE_DISABLE", "1")  # no JIT cache to hand the builds over: no job
-        monkeypatch.setattr(precompile, "_QUEUED", {})
+        monkeypatch.setattr(workers, "QUEUED", {})
         assert precompile._queue_cudnn(calls[0], "fast") == [] and len(jobs) == 3
         monkeypatch.delenv("CUDA_CACHE_DISABLE")
         kernels.set_options(compile_workers=0)  # workers switched off: nothing queued, nothing started
