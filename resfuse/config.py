@@ -43,9 +43,9 @@ class Config:
      "the monotone epilogue (batch norm, relu) of the conv it reads.")
     shortcut_convs: bool = True
     ("In inference, where a fused 1x1 conv's residual is another fused 1x1 conv's output read by nothing else (a "
-     "downsampling bottleneck's shortcut conv and batch norm), offer the tuner both as one kernel that keeps the "
-     "residual in registers instead of writing it and reading it back; the tuner keeps it only where it measures "
-     "faster.")
+     "downsampling bottleneck's shortcut conv and batch norm), offer the tuner both as one kernel that computes the "
+     "residual in registers instead of writing it and reading it back (where both batch norms fold into the weights, "
+     "as one sum of the two convs); the tuner keeps it only where it measures faster.")
     chain_convs: bool = True
     ("In inference, where a fused 1x1 conv's output is read by another fused 1x1 conv (a bottleneck's tail and the "
      "next block's head), offer the tuner both as one kernel that multiplies each chunk of the first's output into "

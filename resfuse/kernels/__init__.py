@@ -12,7 +12,8 @@ Entry points, called by ops/fused.py:
                                                      two 1x1 convs, the second reading the first's output (chain.py)
   conv2d_shortcut(y, w1, operands1, signature1, slot, x, w2, operands2, signature2, stride, z, config=None) -> z
                                                      a 1x1 conv whose residual operand `slot` is another 1x1
-                                                     conv's output, computed in the same kernel (shortcut.py)
+                                                     conv's output, computed in the same kernel; with slot and
+                                                     signature2 None, their sum (shortcut.py)
   epilogue(acc, operands, signature, out, channel_dim, aux=None, stats=None) -> out
                                                      the epilogue alone, on an ATen result
   batch_norm_train(...), batch_norm_stats(...),     training batch norm (batch_norm.py, batch_norm_bwd.py)

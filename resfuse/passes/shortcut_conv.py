@@ -9,8 +9,8 @@ bottleneck's end:
     => z = resfuse.conv2d_shortcut(y, w1, [...], ..., slot of r, x, w2, ..., stride)
 
 r must have no other reader: it is never written. The new op sits where the last conv was; the shortcut's
-arguments come before r, so they are computed there. x lives until then instead of r (the same size at stride 1,
-4x r's at stride 2 where r has 2x x's channels: ResNet's). Each rewrite is listed as a fusion (anchor
+arguments come before r, so they are computed there. x lives until then instead of r: the same size at stride 1,
+twice r's at stride 2 where r has twice x's channels (ResNet's). Each rewrite is listed as a fusion (anchor
 conv2d_shortcut); a refusal says why. The tuner keeps our kernel only where it measures faster than the two convs.
 Runs before chain_convs, which would otherwise pair the last conv with the next block's first.
 """
