@@ -1,6 +1,7 @@
 """The custom ops that the rewritten graph calls: fused.py (inference anchors), chain.py (two fused 1x1 convs, the
-second reading the first's output), shortcut.py (a fused 1x1 conv whose residual is another's output), training.py (training anchors), pooling.py (max pooling), padding.py (a
-3-channel image padded for cuDNN), registered by library.py.
+second reading the first's output), shortcut.py (a fused 1x1 conv whose residual is another's output), training.py
+(training anchors), pooling.py (max pooling), padding.py (a 3-channel image padded for cuDNN), registered by
+library.py.
 
 The torch.library ops are what the passes put in the graph: they have schemas and fake implementations, so
 a rewritten graph can be traced, checked, exported and compiled by Inductor (which calls them through the
@@ -23,8 +24,8 @@ from .training import (batch_norm, batch_norm_backward, batch_norm_backward_dual
                        conv2d_dgrad, conv2d_dgrad_impl, conv2d_dgrad_stats, conv2d_dgrad_stats_impl, conv2d_stats,
                        conv2d_stats_impl)
 
-__all__ = ["PATHS", "conv2d", "conv2d_aux", "conv2d_chain", "conv2d_shortcut", "gemm", "gemm_aux", "conv_out_format", "batch_norm",
-           "batch_norm_stats", "conv2d_stats", "conv2d_dgrad", "conv2d_dgrad_stats", "batch_norm_backward",
+__all__ = ["PATHS", "conv2d", "conv2d_aux", "conv2d_chain", "conv2d_shortcut", "gemm", "gemm_aux", "conv_out_format",
+           "batch_norm", "batch_norm_stats", "conv2d_stats", "conv2d_dgrad", "conv2d_dgrad_stats", "batch_norm_backward",
            "batch_norm_backward_dual", "max_pool2d", "max_pool2d_epilogue", "max_pool2d_backward", "pad_channels",
            "lower_to_impls"]
 

@@ -264,9 +264,8 @@ def tune(call: Call, *, bench, level: str, budget_s: float = float("inf"), repor
 def triton_launches(candidates: list) -> list:
     """Every callable of the candidates that launches our Triton kernels: each triton candidate with its epilogue
     (from the shapes alone where it has a triton_part), without it, and each of its variants; another provider's
-    Triton kernel alone (the epilogue provider's
-    epilogue kernel, without the conv before it: run in precompile's dry run, the conv cost MobileNetV3's
-    capture 9 s)."""
+    Triton kernel alone (the epilogue provider's epilogue kernel, without the conv before it: run in precompile's
+    dry run, the conv cost MobileNetV3's capture 9 s)."""
     return [f for c in candidates
             for f in ((c.mainloop, c.triton_part or c.run, *(v.run for v in c.variants)) if c.provider == "triton"
                       else (c.triton_part,))

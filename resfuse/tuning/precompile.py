@@ -119,7 +119,7 @@ def _queue_cudnn(call, level: str) -> list:
         return []
     problem = fast_key(call)
     return workers.submit([dict(spec, index=i) for i in range(spec["engines"])], "cudnn",
-                  lambda s: ("cudnn", problem, s["index"]))
+                          lambda s: ("cudnn", problem, s["index"]))
 
 
 FUSED_OPS = ("conv2d", "conv2d_aux", "gemm", "gemm_aux", "conv2d_dgrad", "conv2d_dgrad_stats", "conv2d_chain",

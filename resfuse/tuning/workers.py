@@ -38,7 +38,6 @@ def wanted() -> int:
     return min(16, os.cpu_count() or 1) if n is None else max(0, int(n))
 
 
-
 def submit(specs, kind: str = "triton", key_of=lambda s: (s["module"], s["name"], s["specialization"])) -> list:
     """Each spec's compile future: the one queued before for the same kernel, or a new one; none with the workers
     switched off."""
