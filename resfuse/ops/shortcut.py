@@ -91,12 +91,12 @@ def summed(call, values: bool = True):
     unfolded weights and unset shifts of the same shapes (fold_bn.folded_form)."""
     from ..providers import fold_bn
 
-    if not foldable(call):
+    found = _fold_parts(call)
+    if found is None:
         return None
-    ops1, sig1, slot, _, sig2, _ = parts(call)
-    tree = summed_tree(sig1, slot, len(ops1) + 1, sig2)
+    tree, halves = found
     fold = fold_bn.folded_call if values else fold_bn.folded_form
-    main, short = (fold(half) for half in _halves(call))
+    main, short = (fold(half) for half in halves)
     if main is None or short is None:
         return None
     operands = [main.operands[o.slot] if o.slot < len(main.operands) else short.operands[-1]
@@ -106,19 +106,22 @@ def summed(call, values: bool = True):
 
 def foldable(call) -> bool:
     """Can the op run as the sum form (its epilogues' form, and both batch norms' vectors one value a channel)?"""
+    return _fold_parts(call) is not None
+
+
+def _fold_parts(call) -> tuple | None:
+    """(the sum form's tree, the pair's two convs as fused conv2d Calls: the main one with y standing in for its
+    residual, then the shortcut) where the op can run as the sum form, else None."""
     from ..providers import fold_bn
 
-    ops1, sig1, slot, _, sig2, _ = parts(call)
-    return summed_tree(sig1, slot, len(ops1) + 1, sig2) is not None and not any(
-        map(fold_bn.fold_refusal, _halves(call)))
-
-
-def _halves(call) -> tuple:
-    """The pair's two convs as fused conv2d Calls: the main one (y standing in for its residual), the shortcut."""
     ops1, sig1, slot, ops2, sig2, stride = parts(call)
+    tree = summed_tree(sig1, slot, len(ops1) + 1, sig2)
+    if tree is None:
+        return None
     y, w1, x, w2 = call.inputs
-    return (fused.call_of("conv2d", (y, w1), [*ops1[:slot], y, *ops1[slot:]], sig1, ONE),
-            fused.call_of("conv2d", (x, w2), ops2, sig2, (stride, *UNPADDED)))
+    halves = (fused.call_of("conv2d", (y, w1), [*ops1[:slot], y, *ops1[slot:]], sig1, ONE),
+              fused.call_of("conv2d", (x, w2), ops2, sig2, (stride, *UNPADDED)))
+    return None if any(map(fold_bn.fold_refusal, halves)) else (tree, halves)
 
 
 @functools.lru_cache(maxsize=None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import weakref
 
 import torch
@@ -26,7 +27,7 @@ def fold_refusal(call) -> str | None:
     w = call.inputs[1]
     if w.dtype not in (torch.float16, torch.bfloat16):
         return f"a {w.dtype} weight"
-    found = epi.fold_bn(epi.parse(call.signature), len(call.operands))
+    found = _folded(call.signature, len(call.operands))
     if found is None:
         return "no batch norm reads the accumulator"
     if any(call.operands[o.slot].shape != (w.shape[0],) for o in found[1].args[1:]):
@@ -88,7 +89,7 @@ _RECORDING: list[list] = []  # the lists recording_folds() fills
 def folded_call(call):
     """`call` with its conv's batch norm folded: the folded weight, the epilogue's bn node replaced by a shift
     (a new last operand, fp32); its Fold made or refreshed. None while the folded weight overflows its dtype."""
-    _, bn = epi.fold_bn(epi.parse(call.signature), len(call.operands))
+    _, bn = _folded(call.signature, len(call.operands))
     w = call.inputs[1]
     sources = (w, *(call.operands[o.slot] for o in bn.args[1:]))
     key = (tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in sources), bn.params[0])
@@ -110,11 +111,19 @@ def folded_form(call, w: torch.Tensor | None = None, shift: torch.Tensor | None 
     """`call` as folded_call gives it, with `w` as its weight and `shift` as its new last operand; without them, an
     unfolded weight and an empty shift: the folded call's shapes and dtypes, for a graph built from them alone (a
     compile worker's, providers/cudnn.py)."""
-    tree, _ = epi.fold_bn(epi.parse(call.signature), len(call.operands))
+    signature, _ = _folded(call.signature, len(call.operands))
     w = call.inputs[1] if w is None else w
     shift = torch.empty(w.shape[0], dtype=torch.float32, device=w.device) if shift is None else shift
     return dataclasses.replace(call, inputs=(call.inputs[0], w), operands=[*call.operands, shift],
-                               signature=str(tree))
+                               signature=signature)
+
+
+@functools.lru_cache(maxsize=None)
+def _folded(signature: str, shift: int) -> tuple[str, epi.Op] | None:
+    """(the folded signature, its operand `shift` the shift, and the batch-norm node it replaced), or None where no
+    batch norm reads the accumulator: epilogue.fold_bn, once per signature (every folded call asks)."""
+    found = epi.fold_bn(epi.parse(signature), shift)
+    return None if found is None else (str(found[0]), found[1])
 
 
 @contextlib.contextmanager
