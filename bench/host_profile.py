@@ -4,7 +4,7 @@
 
 Compiles the model with resfuse (fp16, channels_last), checks it against eager, times resfuse with
 cuda_graphs=False, True and the default beside torch.compile reduce-overhead (CUDA events, median of 50
-calls), then runs cProfile over 20 uncaptured calls at the first batch size and prints the functions with
+calls), then runs cProfile over 20 uncaptured calls of each job and prints the functions with
 the most own and cumulative time. Full profile in $OUT/host_profile.txt.
 """
 import argparse
@@ -49,18 +49,17 @@ def main():
                 out = fn(x).float()
                 err = ((out - ref).norm() / ref.norm()).item()
                 res[peer] = (median_ms(fn, x), err)
-            if batch == args.batch[0]:
-                prof = cProfile.Profile()
-                fn = peers["resfuse"]
-                prof.enable()
-                for _ in range(20):
-                    fn(x)
-                torch.cuda.synchronize()
-                prof.disable()
-                s = io.StringIO()
-                for order in ("tottime", "cumulative"):
-                    pstats.Stats(prof, stream=s).sort_stats(order).print_stats(40)
-                report.write(f"==== {name} bs{batch}: 20 calls\n{s.getvalue()}")
+            prof = cProfile.Profile()
+            fn = peers["resfuse"]
+            prof.enable()
+            for _ in range(20):
+                fn(x)
+            torch.cuda.synchronize()
+            prof.disable()
+            s = io.StringIO()
+            for order in ("tottime", "cumulative"):
+                pstats.Stats(prof, stream=s).sort_stats(order).print_stats(40)
+            report.write(f"==== {name} bs{batch}: 20 calls\n{s.getvalue()}")
         rows.append((name, batch, res))
     with open(os.path.join(args.out, "host_profile.txt"), "w") as f:
         f.write(report.getvalue())

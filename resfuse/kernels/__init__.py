@@ -21,6 +21,7 @@ Entry points, called by ops/fused.py:
   max_pool2d(...), max_pool2d_backward(...)          max pooling and its gradient (max_pool.py)
   max_pool2d_epilogue(...)                          max pooling of a monotone epilogue's value (max_pool.py)
   pad_channels(x, out) -> out                       x's channels zero-padded to out's, cast (padding.py)
+  image_conv(x, w, stride, padding, out) -> out     a conv over an image of <= 4 channels (conv2d_image.py)
   set_options(interpret=..., cache_dir=..., split_k=..., pdl=..., tma_store=..., compile_workers=...)
                                                     process-wide, set by resfuse.compile
 
@@ -160,6 +161,12 @@ def max_pool2d_backward(grad_out, indices, kernel, stride, padding, dilation, gr
     and a mask that is the pool's input, the codes give relu's gradient."""
     from .max_pool import max_pool2d_backward as run
     return run(grad_out, indices, kernel, stride, padding, dilation, grad_input, mask, threshold, mask_is_input)
+
+
+def image_conv(x, w, stride, padding, out):
+    """out = conv2d(x, w, stride, padding) for an image of at most 4 channels (a stem), out dense channels_last."""
+    from .conv2d_image import image_conv as run
+    return run(x, w, stride, padding, out)
 
 
 def pad_channels(x, out):

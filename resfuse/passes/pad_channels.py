@@ -1,7 +1,8 @@
-"""A 3-channel image's conv reads it padded to 4 channels, so that cuDNN does not pad it in a pass of its own.
+"""A 3-channel image's conv: in inference, our own (resfuse::image_conv); else it reads the image padded to 4
+channels, so that cuDNN does not pad it in a pass of its own.
 
-Entry points: `pad_channels(gm, ctx)`, the last rewrite (switch `pad_channels`), on every graph kind: it changes
-only the convs left to ATen (cuDNN), never a fused op's input; and `pad_channels_joint(gm, ctx)`, on a training
+Entry points: `pad_channels(gm, ctx)`, the last rewrite (switches `image_convs` and `pad_channels`), on every graph
+kind: it changes only the convs left to ATen (cuDNN), never a fused op's input; and `pad_channels_joint(gm, ctx)`, on a training
 step's joint graph before it is partitioned (capture/backend.py), which pads the image once for the forward conv
 and its weight gradient.
 For an NHWC fp16 image of 3 channels (a CNN's stem), cuDNN's first-layer kernels take 4 channels: it pads the
@@ -12,7 +13,10 @@ the fp32 image, casts in the same pass. The padded channel multiplies zeros, so 
 an H100), and the weight gradient's padded slice is dropped. On an H100 the ResNet-50 stem at bs256 took 398
 against 583 us forward and 417 against 578 us for the weight gradient (bench/stem_pad.py, BENCHMARKS.md).
 
-Rewritten where the conv is 2-D, groups 1, not transposed, its input fp16 and channels_last with 3 channels and
+In an inference graph, such a conv without bias becomes resfuse::image_conv (ops/image_conv.py) where
+kernels/conv2d_image.py takes it, at any batch: its own padding pass makes the image's rows 16-byte aligned for
+an implicit GEMM that beat cuDNN's first-layer kernel (bench/stem_rows.py). Otherwise it is padded:
+rewritten where the conv is 2-D, groups 1, not transposed, its input fp16 and channels_last with 3 channels and
 at least MIN_PIXELS pixels (static shapes), on CUDA or under the interpreter (tests); a backward only where the
 input's gradient is not asked for (an image's never is: its padded copy would cost a pass to slice).
 """
@@ -29,6 +33,7 @@ from .group import fake_call
 aten = torch.ops.aten
 CONV, CONV_BACKWARD = aten.convolution.default, aten.convolution_backward.default
 PAD = torch.ops.resfuse.pad_channels.default
+IMAGE_CONV = torch.ops.resfuse.image_conv.default
 CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 IMAGE_CHANNELS, PADDED_CHANNELS = 3, 4
 # Below about a million pixels (a batch of 21 at 224x224) the padding's launches cost more than cuDNN's pass:
@@ -37,26 +42,58 @@ MIN_PIXELS = 1 << 20
 
 
 def pad_channels(gm: fx.GraphModule, ctx) -> fx.GraphModule:
-    if not ctx.config.pad_channels:
-        return gm
-    done = []
+    done, convs = [], []
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in (CONV, CONV_BACKWARD):
             continue
         xv = _image(node.args[0] if node.target is CONV else node.args[1], ctx)
         if xv is None:
             continue
+        if _image_conv(node, xv, ctx) is None:
+            convs.append(node.name)
+            continue
+        if not ctx.config.pad_channels:
+            continue
         why = _refusal(node, xv) or _rewrite(node, "triton")
         if why is None:
             done.append(node.name)
         elif (ctx.graph, node.name) not in ctx.report.rejected_by_node:  # a fusion's reason says more
             ctx.reject(node, f"3-channel input not padded to 4 for cuDNN: {why}")
+    if convs:
+        ctx.report.rewrites.append(f"{ctx.graph} graph: {len(convs)} conv(s) over a 3-channel image run as "
+                                   f"resfuse::image_conv ({', '.join(convs)})")
     if done:
-        gm.graph.lint()
-        gm.recompile()
         ctx.report.rewrites.append(f"{ctx.graph} graph: {len(done)} conv(s) read their 3-channel input padded to "
                                    f"4 channels ({', '.join(done)})")
+    if done or convs:
+        gm.graph.lint()
+        gm.recompile()
     return gm
+
+
+def _image_conv(node: fx.Node, xv: torch.Tensor, ctx) -> str | None:
+    """Replace an inference conv by resfuse::image_conv; None, or why not (then the graph is as it was)."""
+    if node.target is not CONV or ctx.graph != "inference" or not ctx.config.image_convs:
+        return "not an inference conv, or image_convs is off"
+    from ..kernels import conv2d_image as kernel  # here: importing the kernels builds Triton helpers, which must wait
+
+    x, w, bias, stride, padding, dilation, transposed, _, groups = node.args
+    wv = legality.val(w)
+    why = ("a bias or a transposed conv" if bias is not None or transposed or wv is None
+           else kernel.refusal(xv, wv, stride, padding, dilation, groups))
+    if why is None:
+        args = (x, w, list(stride), list(padding), "triton")
+        val = fake_call(IMAGE_CONV, args)
+        if not legality.same_strides(node.meta["val"], val):
+            why = "the conv's output is not channels_last"
+    if why is not None:
+        return why
+    with node.graph.inserting_before(node):
+        new = node.graph.call_function(IMAGE_CONV, args)
+    new.meta["val"] = val
+    node.replace_all_uses_with(new)
+    node.graph.erase_node(node)
+    return None
 
 
 def pad_channels_joint(gm: fx.GraphModule, ctx) -> fx.GraphModule:

@@ -1,6 +1,7 @@
 """passes/pad_channels.py end to end under the interpreter: a 3-channel fp16 stem's conv reads its image and
-weight padded to 4 channels, in the forward, inference and weight-gradient graphs, and the numbers stay those of
-the float64 model; and each case the pass leaves alone is reported with its reason."""
+weight padded to 4 channels, in the forward and weight-gradient graphs, and in inference runs as resfuse::image_conv
+(padded where that cannot), and the numbers stay those of the float64 model; and each case the pass leaves alone is
+reported with its reason."""
 import copy
 import importlib
 
@@ -76,21 +77,34 @@ def test_training_stem_reads_its_image_padded_and_trains_like_float64(any_size, 
     assert torch.allclose(loss, off_loss, rtol=1e-3) and torch.allclose(grad, off_grad, rtol=1e-2, atol=1e-2)
 
 
-def test_inference_stem_reads_its_image_padded(any_size, tmp_path):
+@pytest.mark.parametrize("case", ["image_conv", "off", "wide"])
+def test_inference_stem_runs_as_an_image_conv_or_reads_its_image_padded(case, any_size, tmp_path):
+    """An inference stem conv becomes resfuse::image_conv; with the switch off, or more outputs than the kernel
+    holds, it reads its image padded."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 7, 2, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(3, 2, 1))
+    channels = 264 if case == "wide" else 8
+    model = nn.Sequential(nn.Conv2d(3, channels, 7, 2, 3, bias=False), nn.BatchNorm2d(channels), nn.ReLU(),
+                          nn.MaxPool2d(3, 2, 1))
     model = model.eval()
     for p in model.parameters():  # a trained batch norm, not the identity
         p.data.uniform_(0.5, 1.5)
     model.half().to(memory_format=torch.channels_last)
     x = _image().half()
-    compiled = resfuse.compile(copy.deepcopy(model), interpret=True, debug_dump=str(tmp_path))
+    PATHS.clear()
+    compiled = resfuse.compile(copy.deepcopy(model), interpret=True, debug_dump=str(tmp_path),
+                               image_convs=case != "off")
     with torch.no_grad():
         out = compiled(x)
         ref = copy.deepcopy(model).double()(x.double())
     graph = next(tmp_path.glob("inference-*-pad_channels.txt")).read_text()
-    conv = next(line for line in graph.splitlines() if "aten.convolution.default(" in line)
-    assert "convolution.default(pad_channels_default, pad_channels_default_1," in conv, graph
+    if case == "image_conv":
+        assert "aten.convolution" not in graph and "resfuse.image_conv.default(" in graph, graph
+        assert PATHS[("image_conv", "", "triton")] == 1, PATHS
+        assert compiled.resfuse_report.rewrites[-1] == ("inference graph: 1 conv(s) over a 3-channel image run as "
+                                                        "resfuse::image_conv (convolution_default)")
+    else:
+        conv = next(line for line in graph.splitlines() if "aten.convolution.default(" in line)
+        assert "convolution.default(pad_channels_default, pad_channels_default_1," in conv, graph
     assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-3
 
 
