@@ -6,7 +6,9 @@ remainder=eager,rf+graphs"] [--out DIR]`. A peer is a torch.compile mode (eager,
 `option=value` Config overrides. Per (model, batch), in one process, in the order given: the first resfuse
 variant tunes (fresh cache or not) and the later ones read its tuning choices, so variants differ in their
 switches only. fp16, channels_last, CUDA-event medians over rotated inputs (resfuse.bench.timing), errors
-against eager. A table prints last; the JSON goes to --out (ab.json).
+against eager. A peer may be named more than once (off,on,off,on): each run is its own row. A table prints last,
+its columns numbered in the order of --peers; the JSON goes to --out (ab.json), each job's peers a list in that
+order.
 """
 from __future__ import annotations
 
@@ -56,7 +58,7 @@ def run_job(name: str, batch: int, peers: list[str], iters: int) -> dict:
     model, inputs = models.load(name, batch, torch.float16, device, image_size=224, seq=384)
     sets = timing.input_sets(inputs)
     refs = timing.run_once(model, inputs)
-    rows = {}
+    rows = []  # in the order run: a peer named twice (alternating A/B) keeps both measurements
     for peer in peers:
         torch._dynamo.reset()
         fn = None
@@ -66,13 +68,13 @@ def run_job(name: str, batch: int, peers: list[str], iters: int) -> dict:
             rel, _ = timing.output_error(outs, refs)
             lat = timing.latency(fn, sets, device, iters)
             report = getattr(fn, "resfuse_report", None)
-            rows[peer] = {"ms": lat.median_ms, "first_s": first_s, "rel_err": rel,
-                          "notes": list(report.notes) if report else [],
-                          "errors": list(report.errors) if report else []}
+            rows.append({"peer": peer, "ms": lat.median_ms, "first_s": first_s, "rel_err": rel,
+                         "notes": list(report.notes) if report else [],
+                         "errors": list(report.errors) if report else []})
         except Exception as e:  # one peer failing must not hide the others
             traceback.print_exc()
-            rows[peer] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        print(f"{name}:{batch} {peer}: {rows[peer]}", flush=True)
+            rows.append({"peer": peer, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        print(f"{name}:{batch} {peer}: {rows[-1]}", flush=True)
         del fn
         torch.cuda.empty_cache()
     return {"model": name, "batch": batch, "device": torch.cuda.get_device_name(), "peers": rows}
@@ -98,9 +100,10 @@ def main():
         results.append(run_job(name, int(batch), peers, args.iters))
         Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "ab.json").write_text(json.dumps(results, indent=1))
-    print(f"\n{'job':24s}" + "".join(f"{peer[:22]:>24s}" for peer in peers))
+    print("\n" + "\n".join(f"#{i + 1}: {peer}" for i, peer in enumerate(peers)))
+    print(f"{'job':24s}" + "".join(f"{'#' + str(i + 1):>24s}" for i in range(len(peers))))
     for r in results:
-        cells = [r["peers"][peer] for peer in peers]
+        cells = r["peers"]
         print(f"{r['model'] + ':' + str(r['batch']):24s}" + "".join(
             f"{c['ms']:>14.3f} ({c['rel_err']:.0e})" if "ms" in c else f"{'error':>24s}" for c in cells))
 

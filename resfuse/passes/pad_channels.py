@@ -49,7 +49,8 @@ def pad_channels(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         xv = _image(node.args[0] if node.target is CONV else node.args[1], ctx)
         if xv is None:
             continue
-        if _image_conv(node, xv, ctx) is None:
+        not_ours = _image_conv(node, xv, ctx)
+        if not_ours is None:
             convs.append(node.name)
             continue
         if not ctx.config.pad_channels:
@@ -58,7 +59,7 @@ def pad_channels(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         if why is None:
             done.append(node.name)
         elif (ctx.graph, node.name) not in ctx.report.rejected_by_node:  # a fusion's reason says more
-            ctx.reject(node, f"3-channel input not padded to 4 for cuDNN: {why}")
+            ctx.reject(node, f"3-channel input not padded to 4 for cuDNN: {why} (nor an image conv: {not_ours})")
     if convs:
         ctx.report.rewrites.append(f"{ctx.graph} graph: {len(convs)} conv(s) over a 3-channel image run as "
                                    f"resfuse::image_conv ({', '.join(convs)})")
@@ -74,7 +75,7 @@ def pad_channels(gm: fx.GraphModule, ctx) -> fx.GraphModule:
 def _image_conv(node: fx.Node, xv: torch.Tensor, ctx) -> str | None:
     """Replace an inference conv by resfuse::image_conv; None, or why not (then the graph is as it was)."""
     if node.target is not CONV or ctx.graph != "inference" or not ctx.config.image_convs:
-        return "not an inference conv, or image_convs is off"
+        return "not an inference conv" if ctx.config.image_convs else "image_convs is off"
     from ..kernels import conv2d_image as kernel  # here: importing the kernels builds Triton helpers, which must wait
 
     x, w, bias, stride, padding, dilation, transposed, _, groups = node.args

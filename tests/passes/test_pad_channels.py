@@ -191,3 +191,14 @@ def test_a_failing_joint_rewrite_partitions_the_captured_graph(any_size, monkeyp
     assert report.errors == ["joint graph: rewrite failed, partitioning it as captured: RuntimeError: boom"]
     off_loss, off_grad, _ = _step(model, x, pad_channels=False)
     assert torch.allclose(loss, off_loss, rtol=1e-3) and torch.allclose(grad, off_grad, rtol=1e-2, atol=1e-2)
+
+
+def test_an_inference_stem_neither_path_takes_is_reported_with_both_reasons(any_size):
+    model = nn.Sequential(nn.Conv2d(3, 8, 7, 2, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(3, 2, 1))
+    model = model.eval().to(memory_format=torch.channels_last)
+    compiled = resfuse.compile(model, interpret=True)
+    with torch.no_grad():
+        compiled(_image())
+    reasons = _pad_rejections(compiled.resfuse_report)
+    assert reasons == ["3-channel input not padded to 4 for cuDNN: torch.float32 input (measured for fp16 only) "
+                       "(nor an image conv: fp16/bf16 input and weight, got torch.float32 and torch.float32)"], reasons
