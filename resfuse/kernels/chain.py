@@ -139,9 +139,9 @@ def resfuse_conv2d_chain(
         s_idx = rows // P
         p_idx = rows % P
         a = a_desc.load([row0, 0])  # x's rows, read once for every chunk of y
-        acc2 = tl.zeros([BM, N2], tl.float32)
+        acc2 = tl.full([BM, N2], 0.0, tl.float32)
         for col0 in tl.static_range(0, N1, BN1):
-            acc = mma(a, tl.trans(w1_desc.load([col0, 0])), tl.zeros([BM, BN1], tl.float32), PRECISION)
+            acc = mma(a, tl.trans(w1_desc.load([col0, 0])), tl.full([BM, BN1], 0.0, tl.float32), PRECISION)
             offs_c = col0 + tl.arange(0, BN1)
             mask_c = offs_c < N1
             mask = row_ok[:, None] & mask_c[None, :]

@@ -80,7 +80,7 @@ def _tap_weight(w_r, k: tl.constexpr, s_ws, k_ok, S: tl.constexpr):
     """Tap k's [1, BN] fp32 weights of the row at w_r, or zeros past the kernel's S taps (never used then)."""
     if k < S:
         return tl.load(w_r + k * s_ws, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-    return tl.zeros_like(k_ok.to(tl.float32))[None, :]
+    return tl.full(k_ok.shape, 0.0, tl.float32)[None, :]
 
 
 @triton.jit
@@ -92,14 +92,14 @@ def _strip_taps(x_rows, x_cols, w_cols, k_ok, oh, ow, row_ok, H, W, R, s_xh, s_x
     multiplied into every strip output it feeds, S FMAs a load, where the per-tap loop spends a load, a convert
     and a mask per FMA (its instruction issue bounds it: BENCHMARKS.md, sixth session). Stride and dilation 1
     along the width only, at most 7 taps."""
-    acc0 = tl.zeros((BMS, BN), dtype=tl.float32)
-    acc1 = tl.zeros((BMS, BN), dtype=tl.float32)
-    acc2 = tl.zeros((BMS, BN), dtype=tl.float32)
-    acc3 = tl.zeros((BMS, BN), dtype=tl.float32)
-    acc4 = tl.zeros((BMS, BN), dtype=tl.float32)
-    acc5 = tl.zeros((BMS, BN), dtype=tl.float32)
-    acc6 = tl.zeros((BMS, BN), dtype=tl.float32)
-    acc7 = tl.zeros((BMS, BN), dtype=tl.float32)
+    acc0 = tl.full((BMS, BN), 0.0, tl.float32)
+    acc1 = tl.full((BMS, BN), 0.0, tl.float32)
+    acc2 = tl.full((BMS, BN), 0.0, tl.float32)
+    acc3 = tl.full((BMS, BN), 0.0, tl.float32)
+    acc4 = tl.full((BMS, BN), 0.0, tl.float32)
+    acc5 = tl.full((BMS, BN), 0.0, tl.float32)
+    acc6 = tl.full((BMS, BN), 0.0, tl.float32)
+    acc7 = tl.full((BMS, BN), 0.0, tl.float32)
     ih0 = oh * stride_h - pad_h
     iw0 = ow - pad_w
     for r in range(R):

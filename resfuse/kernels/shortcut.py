@@ -125,7 +125,7 @@ def source(signature1: str, signature2: str | None, slot: int | None) -> str:
         between = f"""    # epilogue 2: {signature2}
 {textwrap.indent(epi.triton_body(tree2, "r_val", prefix="e2_"), " " * 4)}
     r = r_val.to(y_desc.dtype)  # rounded as the shortcut's output would have been stored (the inputs' dtype)
-    acc = tl.zeros([BM, BN], tl.float32)
+    acc = tl.full([BM, BN], 0.0, tl.float32)
 """
     what = (f"Epilogue 1: {signature1} (operand {slot}: the residual). Epilogue 2: {signature2}" if tree2 is not None
             else f"Their sum, then the epilogue: {signature1}")
@@ -157,7 +157,7 @@ def resfuse_conv2d_shortcut(
     # the shortcut: x's pixel under each output row, at the conv's stride (folded into s_xh and s_xw)
     x_rows = s_idx.to(tl.int64) * s_xn + (p_idx // OW) * s_xh + (p_idx % OW) * s_xw
     offs_k = tl.arange(0, BK)
-    acc = tl.zeros([BM, BN], tl.float32)
+    acc = tl.full([BM, BN], 0.0, tl.float32)
     for k0 in range(0, K2, BK):
         k_ok = k0 + offs_k < K2
         a = tl.load(x + x_rows[:, None] + (k0 + offs_k)[None, :] * s_xc, mask=row_ok[:, None] & k_ok[None, :],
