@@ -58,7 +58,7 @@ class Config:
     ("In inference, where a conv left to cuDNN reads an image of at most 4 channels with no bias (a CNN's stem), "
      "run it as resfuse::image_conv instead: the image padded once, then an implicit GEMM over overlapping views "
      "of its rows (on an H100, ResNet-50's stem 1.8x faster than cuDNN at batch 1, 1.24x at 32, 1.07x at 256). It "
-     "takes the place of pad_channels' padding there.")
+     "takes the place of pad_channels' padding there. Not tuned per shape: on Hopper GPUs only, where it was measured.")
     merge_linears: bool = True
     ("Merge linear layers that read the same input (attention's q, k and v) into one wider GEMM, before "
      "aot_autograd, so training's backward gets one data-gradient GEMM for them too.")

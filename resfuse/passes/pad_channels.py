@@ -14,7 +14,7 @@ an H100), and the weight gradient's padded slice is dropped. On an H100 the ResN
 against 583 us forward and 417 against 578 us for the weight gradient (bench/stem_pad.py, BENCHMARKS.md).
 
 In an inference graph, such a conv without bias becomes resfuse::image_conv (ops/image_conv.py) where
-kernels/conv2d_image.py takes it, at any batch: its own padding pass makes the image's rows 16-byte aligned for
+kernels/conv2d_image.py takes it, at any batch, on Hopper GPUs (where it was measured; it is not tuned per shape): its own padding pass makes the image's rows 16-byte aligned for
 an implicit GEMM that beat cuDNN's first-layer kernel (bench/stem_rows.py). Otherwise it is padded:
 rewritten where the conv is 2-D, groups 1, not transposed, its input fp16 and channels_last with 3 channels and
 at least MIN_PIXELS pixels (static shapes), on CUDA or under the interpreter (tests); a backward only where the
@@ -34,6 +34,7 @@ aten = torch.ops.aten
 CONV, CONV_BACKWARD = aten.convolution.default, aten.convolution_backward.default
 PAD = torch.ops.resfuse.pad_channels.default
 IMAGE_CONV = torch.ops.resfuse.image_conv.default
+MEASURED_ON = (9,)  # compute capability majors where image_conv beat cuDNN's first-layer kernel (H100)
 CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 IMAGE_CHANNELS, PADDED_CHANNELS = 3, 4
 # Below about a million pixels (a batch of 21 at 224x224) the padding's launches cost more than cuDNN's pass:
@@ -81,7 +82,7 @@ def _image_conv(node: fx.Node, xv: torch.Tensor, ctx) -> str | None:
     x, w, bias, stride, padding, dilation, transposed, _, groups = node.args
     wv = legality.val(w)
     why = ("a bias or a transposed conv" if bias is not None or transposed or wv is None
-           else kernel.refusal(xv, wv, stride, padding, dilation, groups))
+           else kernel.refusal(xv, wv, stride, padding, dilation, groups) or _unmeasured(xv.device))
     if why is None:
         args = (x, w, list(stride), list(padding), "triton")
         val = fake_call(IMAGE_CONV, args)
@@ -94,6 +95,14 @@ def _image_conv(node: fx.Node, xv: torch.Tensor, ctx) -> str | None:
     new.meta["val"] = val
     node.replace_all_uses_with(new)
     node.graph.erase_node(node)
+    return None
+
+
+def _unmeasured(device: torch.device) -> str | None:
+    """image_conv is not tuned against cuDNN per shape: it runs only on the GPUs it was measured faster on."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] not in MEASURED_ON:
+        return (f"compute capability {torch.cuda.get_device_capability(device)}: image_conv was measured against "
+                f"cuDNN on Hopper (9.x) only")
     return None
 
 

@@ -202,3 +202,12 @@ def test_an_inference_stem_neither_path_takes_is_reported_with_both_reasons(any_
     reasons = _pad_rejections(compiled.resfuse_report)
     assert reasons == ["3-channel input not padded to 4 for cuDNN: torch.float32 input (measured for fp16 only) "
                        "(nor an image conv: fp16/bf16 input and weight, got torch.float32 and torch.float32)"], reasons
+
+
+def test_image_conv_stays_on_the_gpus_it_was_measured_on(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    why = pass_module._unmeasured(torch.device("cuda", 0))
+    assert why is not None and "(8, 0)" in why and "Hopper" in why
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert pass_module._unmeasured(torch.device("cuda", 0)) is None
+    assert pass_module._unmeasured(torch.device("cpu")) is None  # the interpreter: the tests' path
