@@ -5,7 +5,7 @@ Entry points: `image_conv(x, w, stride, padding, out)`, reached through resfuse.
 which passes/pad_channels.py puts in place of such a conv); `refusal(x, w, stride, padding, dilation, groups)`.
 
 Two launches:
-  pad_image_kernel   x padded once: to 4 channels, by the conv's padding on every side, and on the right and
+  pad_image_kernel   x padded once (and cast, where the conv read its cast): to 4 channels, by the conv's padding on every side, and on the right and
                      bottom as far as the last row's reads reach, NHWC, every pixel written (the border too); in
                      the same launch, one program a filter row packs the weight into [R, KP, BK] (KP = 4 * S
                      and BK = K, each rounded up to a power of two of at least 16; the slots of the fourth channel,
@@ -94,12 +94,15 @@ def image_conv_kernel(xp, wp, y, M, OH, OW, s_xn, s_xh, R, K,
     tl.store(y + m[:, None] * K + co[None, :], acc.to(y.dtype.element_ty), mask=ok & (co < K)[None, :])
 
 
-def refusal(x: torch.Tensor, w: torch.Tensor, stride, padding, dilation, groups: int) -> str | None:
-    """Why image_conv cannot run this conv (None: it can). x and w may be fake tensors (a graph's values)."""
+def refusal(x: torch.Tensor, w: torch.Tensor, stride, padding, dilation, groups: int,
+            dtype: torch.dtype | None = None) -> str | None:
+    """Why image_conv cannot run this conv in `dtype` (None: x's; it can: None). x and w may be fake tensors (a
+    graph's values), and fp32 where the conv reads their casts to dtype (the padding kernel casts)."""
+    dtype = dtype or x.dtype
     if x.dim() != 4 or w.dim() != 4 or groups != 1 or tuple(dilation) != (1, 1):
         return "a 2-D conv, groups 1, dilation 1"
-    if x.dtype not in (torch.float16, torch.bfloat16) or w.dtype != x.dtype:
-        return f"fp16/bf16 input and weight, got {x.dtype} and {w.dtype}"
+    if dtype not in (torch.float16, torch.bfloat16) or not {x.dtype, w.dtype} <= {dtype, torch.float32}:
+        return f"an fp16/bf16 conv, of inputs in its dtype or fp32: got {x.dtype} and {w.dtype} for {dtype}"
     k, c, r, s = w.shape
     if c > CP or x.shape[1] != c:
         return f"{x.shape[1]} input channels, above {CP}"
@@ -128,14 +131,15 @@ def _kp(s: int) -> int:
 
 
 def image_conv(x: torch.Tensor, w: torch.Tensor, stride, padding, out: torch.Tensor) -> torch.Tensor:
-    """out = conv2d(x, w, stride, padding) into the preallocated dense channels_last out."""
+    """out = conv2d(x, w, stride, padding) into the preallocated dense channels_last out, in out's dtype: x and w
+    are cast to it as they are padded and packed."""
     n, c, h, wd = x.shape
     k, _, r, s = w.shape
     oh, ow, hp, wp = geometry(x, w, stride, padding)
     kp = _kp(s)
-    xp = torch.empty((n, hp, wp, CP), dtype=x.dtype, device=x.device)
+    xp = torch.empty((n, hp, wp, CP), dtype=out.dtype, device=x.device)
     bk = max(16, triton.next_power_of_2(k))
-    packed = torch.empty((r, kp, bk), dtype=w.dtype, device=x.device)
+    packed = torch.empty((r, kp, bk), dtype=out.dtype, device=x.device)
     if out.numel() == 0:
         return out
     pixels = n * hp * wp
@@ -145,7 +149,7 @@ def image_conv(x: torch.Tensor, w: torch.Tensor, stride, padding, out: torch.Ten
         x, w, xp, packed, pixels, c, h, wd, hp, wp, padding[0], padding[1], k, s, *x.stride(), *w.stride(),
         BIG=big, BM=PAD_BM, CP=CP, KP=kp, BK=bk, num_warps=WARPS, **pdl)
     m = n * oh * ow
-    upcast = x.dtype == torch.bfloat16 and options()["interpret"]  # see tiles.mma
+    upcast = out.dtype == torch.bfloat16 and options()["interpret"]  # see tiles.mma
     image_conv_kernel[(triton.cdiv(m, BM),)](
         xp, packed, out, m, oh, ow, xp.stride(0), xp.stride(1), r, k, SH=stride[0], SW=stride[1], TAPS=s * CP,
         ALIGN=8 if stride[1] % 2 == 0 else 4, BIG=big, BM=BM, CP=CP, KP=kp, BK=bk,

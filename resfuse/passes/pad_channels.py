@@ -80,21 +80,29 @@ def _image_conv(node: fx.Node, xv: torch.Tensor, ctx) -> str | None:
     from ..kernels import conv2d_image as kernel  # here: importing the kernels builds Triton helpers, which must wait
 
     x, w, bias, stride, padding, dilation, transposed, _, groups = node.args
-    wv = legality.val(w)
+    wv, dtype = legality.val(w), xv.dtype
+    # the kernel casts as it pads: it reads the fp32 tensor that a cast only this conv reads casts
+    src = [u if legality.val(u).dtype in (dtype, torch.float32) else t
+           for t, u in ((t, _uncast(t, {node})) for t in (x, w))]
     why = ("a bias or a transposed conv" if bias is not None or transposed or wv is None
-           else kernel.refusal(xv, wv, stride, padding, dilation, groups) or _unmeasured(xv.device))
+           else kernel.refusal(*(legality.val(t) for t in src), stride, padding, dilation, groups, dtype)
+           or _unmeasured(xv.device))
     if why is None:
-        args = (x, w, list(stride), list(padding), "triton")
+        args = (*src, list(stride), list(padding), dtype, "triton")
         val = fake_call(IMAGE_CONV, args)
         if not legality.same_strides(node.meta["val"], val):
             why = "the conv's output is not channels_last"
     if why is not None:
         return why
-    with node.graph.inserting_before(node):
-        new = node.graph.call_function(IMAGE_CONV, args)
+    graph = node.graph
+    with graph.inserting_before(node):
+        new = graph.call_function(IMAGE_CONV, args)
     new.meta["val"] = val
     node.replace_all_uses_with(new)
-    node.graph.erase_node(node)
+    graph.erase_node(node)
+    for t in (x, w):  # a cast that only the conv read: the kernel casts now
+        if t not in src and not t.users:
+            graph.erase_node(t)
     return None
 
 
@@ -200,12 +208,17 @@ def _rewrite(node: fx.Node, provider: str, padded: list[fx.Node] | None = None,
     return None
 
 
-def _padded(graph: fx.Graph, t: fx.Node, provider: str, readers: set) -> fx.Node:
-    """resfuse::pad_channels of t, in t's dtype; reading the fp32 tensor where t is a cast only `readers` read."""
-    src = t
+def _uncast(t: fx.Node, readers: set) -> fx.Node:
+    """The tensor t casts, where t is a cast on one device that only `readers` read; else t."""
     if t.target in CASTS and set(t.users) <= readers and legality.val(t.args[0]) is not None \
             and legality.val(t.args[0]).device == legality.val(t).device:
-        src = t.args[0]
+        return t.args[0]
+    return t
+
+
+def _padded(graph: fx.Graph, t: fx.Node, provider: str, readers: set) -> fx.Node:
+    """resfuse::pad_channels of t, in t's dtype; reading the fp32 tensor where t is a cast only `readers` read."""
+    src = _uncast(t, readers)
     new = graph.call_function(PAD, (src, PADDED_CHANNELS, legality.val(t).dtype, provider))
     new.meta["val"] = fake_call(PAD, new.args)
     return new

@@ -15,14 +15,16 @@ from .epilogues import assert_close
 @given(dtype=st.sampled_from([torch.float16, torch.bfloat16]), n=st.integers(1, 2), c=st.integers(1, 4),
        h=st.integers(1, 19), w=st.integers(1, 19), k=st.integers(1, 70), r=st.integers(1, 8), s=st.integers(1, 8),
        stride=st.tuples(st.integers(1, 4), st.integers(1, 4)), padding=st.tuples(st.integers(0, 3), st.integers(0, 3)),
-       layout=st.sampled_from([torch.channels_last, torch.contiguous_format]))
-def test_image_conv_matches_float64(dtype, n, c, h, w, k, r, s, stride, padding, layout):
+       layout=st.sampled_from([torch.channels_last, torch.contiguous_format]), fp32_x=st.booleans(),
+       fp32_w=st.booleans())
+def test_image_conv_matches_float64(dtype, n, c, h, w, k, r, s, stride, padding, layout, fp32_x, fp32_w):
+    """x and w in the conv's dtype, or fp32 (autocast's inputs: the padding kernel casts them)."""
     if h + 2 * padding[0] < r or w + 2 * padding[1] < s:
         return  # no output pixel
-    x = torch.randn(n, c, h, w).to(dtype).contiguous(memory_format=layout)
-    wt = (torch.randn(k, c, r, s) / (c * r * s) ** 0.5).to(dtype)
-    assert conv2d_image.refusal(x, wt, stride, padding, (1, 1), 1) is None
-    ref = F.conv2d(x.double(), wt.double(), None, stride, padding)
+    x = torch.randn(n, c, h, w).to(torch.float32 if fp32_x else dtype).contiguous(memory_format=layout)
+    wt = (torch.randn(k, c, r, s) / (c * r * s) ** 0.5).to(torch.float32 if fp32_w else dtype)
+    assert conv2d_image.refusal(x, wt, stride, padding, (1, 1), 1, dtype) is None
+    ref = F.conv2d(x.to(dtype).double(), wt.to(dtype).double(), None, stride, padding)  # the inputs as cast
     out = torch.full(ref.shape, float("nan"), dtype=dtype).contiguous(memory_format=torch.channels_last)
     conv2d_image.image_conv(x, wt, stride, padding, out)
     assert_close(out.permute(0, 2, 3, 1).reshape(-1, k), ref.permute(0, 2, 3, 1).reshape(-1, k), dtype)
@@ -43,7 +45,7 @@ def test_an_inf_past_the_window_stays_out():
 
 @pytest.mark.parametrize("case, why", [
     ("channels", "5 input channels"), ("wide", "at most 8 wide"), ("outputs", "at most 8 wide and 256 outputs"),
-    ("fp32", "fp16/bf16"), ("groups", "groups 1"), ("dilation", "dilation 1")])
+    ("fp32", "an fp16/bf16 conv"), ("groups", "groups 1"), ("dilation", "dilation 1")])
 def test_refusals(case, why):
     x = torch.randn(1, 5 if case == "channels" else 3, 8, 8, dtype=torch.float32 if case == "fp32" else torch.half)
     wt = torch.randn(300 if case == "outputs" else 8, x.shape[1], 3, 9 if case == "wide" else 3).to(x.dtype)

@@ -201,7 +201,8 @@ def test_an_inference_stem_neither_path_takes_is_reported_with_both_reasons(any_
         compiled(_image())
     reasons = _pad_rejections(compiled.resfuse_report)
     assert reasons == ["3-channel input not padded to 4 for cuDNN: torch.float32 input (measured for fp16 only) "
-                       "(nor an image conv: fp16/bf16 input and weight, got torch.float32 and torch.float32)"], reasons
+                       "(nor an image conv: an fp16/bf16 conv, of inputs in its dtype or fp32: got torch.float32 and "
+                       "torch.float32 for torch.float32)"], reasons
 
 
 def test_image_conv_stays_on_the_gpus_it_was_measured_on(monkeypatch):
@@ -211,3 +212,35 @@ def test_image_conv_stays_on_the_gpus_it_was_measured_on(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert pass_module._unmeasured(torch.device("cuda", 0)) is None
     assert pass_module._unmeasured(torch.device("cpu")) is None  # the interpreter: the tests' path
+
+
+class CastPoolStem(nn.Module):
+    """Autocast's shape of an inference stem: the fp32 image and weight cast to fp16 for the conv, then relu and
+    the max-pool (which takes the relu: the conv is left bare)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 7, 2, 3, bias=False)
+
+    def forward(self, x):
+        y = nn.functional.conv2d(x.half(), self.conv.weight.half(), None, 2, 3)
+        return nn.functional.max_pool2d(torch.relu(y), 3, 2, 1)
+
+
+def test_an_autocast_stem_conv_reads_the_fp32_image_and_weight(tmp_path):
+    """image_conv reads the fp32 tensors the casts read and casts them as it pads: the casts are gone."""
+    torch.manual_seed(0)
+    model, x = CastPoolStem().eval().to(memory_format=torch.channels_last), _image()
+    PATHS.clear()
+    compiled = resfuse.compile(copy.deepcopy(model), interpret=True, debug_dump=str(tmp_path))
+    with torch.no_grad():
+        out = compiled(x)
+        ref = nn.functional.max_pool2d(torch.relu(nn.functional.conv2d(
+            x.half().double(), model.conv.weight.half().double(), None, 2, 3)), 3, 2, 1)
+    graph = next(tmp_path.glob("inference-*-pad_channels.txt")).read_text()
+    call = next(line for line in graph.splitlines() if "resfuse.image_conv.default(" in line)
+    assert "image_conv.default(arg0_1, arg1_1, [2, 2], [3, 3], torch.float16, 'triton')" in call, graph
+    assert "_to_copy" not in graph and "convert_element_type" not in graph, graph
+    assert PATHS[("image_conv", "", "triton")] == 1, PATHS
+    assert out.dtype == torch.float16
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-3
