@@ -18,13 +18,14 @@ from .epilogues import assert_close
        layout=st.sampled_from([torch.channels_last, torch.contiguous_format]), fp32_x=st.booleans(),
        fp32_w=st.booleans())
 def test_image_conv_matches_float64(dtype, n, c, h, w, k, r, s, stride, padding, layout, fp32_x, fp32_w):
-    """x and w in the conv's dtype, or fp32 (autocast's inputs: the padding kernel casts them)."""
+    """x and w in the conv's dtype, or fp32 (autocast's inputs: the padding kernel casts them). fp32 values that the
+    dtype holds exactly: Triton's interpreter casts fp32 to bf16 by truncation, the GPU (and torch) to nearest."""
     if h + 2 * padding[0] < r or w + 2 * padding[1] < s:
         return  # no output pixel
-    x = torch.randn(n, c, h, w).to(torch.float32 if fp32_x else dtype).contiguous(memory_format=layout)
-    wt = (torch.randn(k, c, r, s) / (c * r * s) ** 0.5).to(torch.float32 if fp32_w else dtype)
+    x = torch.randn(n, c, h, w).to(dtype).to(torch.float32 if fp32_x else dtype).contiguous(memory_format=layout)
+    wt = (torch.randn(k, c, r, s) / (c * r * s) ** 0.5).to(dtype).to(torch.float32 if fp32_w else dtype)
     assert conv2d_image.refusal(x, wt, stride, padding, (1, 1), 1, dtype) is None
-    ref = F.conv2d(x.to(dtype).double(), wt.to(dtype).double(), None, stride, padding)  # the inputs as cast
+    ref = F.conv2d(x.double(), wt.double(), None, stride, padding)
     out = torch.full(ref.shape, float("nan"), dtype=dtype).contiguous(memory_format=torch.channels_last)
     conv2d_image.image_conv(x, wt, stride, padding, out)
     assert_close(out.permute(0, 2, 3, 1).reshape(-1, k), ref.permute(0, 2, 3, 1).reshape(-1, k), dtype)
