@@ -5,9 +5,10 @@ Entry points: `image_conv(x, w, stride, padding, out)`, reached through resfuse.
 which passes/pad_channels.py puts in place of such a conv); `refusal(x, w, stride, padding, dilation, groups)`.
 
 Two launches:
-  pad_image_kernel   x padded once (and cast, where the conv read its cast): to 4 channels, by the conv's padding on every side, and on the right and
-                     bottom as far as the last row's reads reach, NHWC, every pixel written (the border too); in
-                     the same launch, one program a filter row packs the weight into [R, KP, BK] (KP = 4 * S
+  pad_image_kernel   x padded once (and cast to out's dtype: autocast's fp32 image): to 4 channels, by the
+                     conv's padding on every side, and on the right and bottom as far as the last row's reads
+                     reach, NHWC, every pixel written (the border too); in the same launch, one program a filter
+                     row packs the weight (cast too) into [R, KP, BK] (KP = 4 * S
                      and BK = K, each rounded up to a power of two of at least 16; the slots of the fourth channel,
                      past S and past K are zeros).
   image_conv_kernel  y[m, :] for BM output pixels m = (n, oh, ow) a program. With 4 channels a pixel is 8 bytes,

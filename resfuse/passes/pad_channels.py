@@ -1,10 +1,10 @@
 """A 3-channel image's conv: in inference, our own (resfuse::image_conv); else it reads the image padded to 4
 channels, so that cuDNN does not pad it in a pass of its own.
 
-Entry points: `pad_channels(gm, ctx)`, the last rewrite (switches `image_convs` and `pad_channels`), on every graph
-kind: it changes only the convs left to ATen (cuDNN), never a fused op's input; and `pad_channels_joint(gm, ctx)`, on a training
-step's joint graph before it is partitioned (capture/backend.py), which pads the image once for the forward conv
-and its weight gradient.
+Entry points: `pad_channels(gm, ctx)`, the last rewrite (switches `image_convs` and `pad_channels`), on every
+graph kind: it changes only the convs left to ATen (cuDNN), never a fused op's input; and
+`pad_channels_joint(gm, ctx)`, on a training step's joint graph before it is partitioned (capture/backend.py),
+which pads the image once for the forward conv and its weight gradient.
 For an NHWC fp16 image of 3 channels (a CNN's stem), cuDNN's first-layer kernels take 4 channels: it pads the
 image itself (nhwcAddPadding, a pass over it, after a memset) before the forward conv and again before the
 weight gradient. Here aten.convolution and aten.convolution_backward read x and w through resfuse::pad_channels
@@ -14,8 +14,9 @@ an H100), and the weight gradient's padded slice is dropped. On an H100 the ResN
 against 583 us forward and 417 against 578 us for the weight gradient (bench/stem_pad.py, BENCHMARKS.md).
 
 In an inference graph, such a conv without bias becomes resfuse::image_conv (ops/image_conv.py) where
-kernels/conv2d_image.py takes it, at any batch, on Hopper GPUs (where it was measured; it is not tuned per shape): its own padding pass makes the image's rows 16-byte aligned for
-an implicit GEMM that beat cuDNN's first-layer kernel (bench/stem_rows.py). Otherwise it is padded:
+kernels/conv2d_image.py takes it, at any batch, on Hopper GPUs (where it was measured; it is not tuned per shape):
+its own padding pass makes the image's rows 16-byte aligned for an implicit GEMM that beat cuDNN's first-layer
+kernel (bench/stem_rows.py), and casts autocast's fp32 image and weight as it pads. Otherwise it is padded:
 rewritten where the conv is 2-D, groups 1, not transposed, its input fp16 and channels_last with 3 channels and
 at least MIN_PIXELS pixels (static shapes), on CUDA or under the interpreter (tests); a backward only where the
 input's gradient is not asked for (an image's never is: its padded copy would cost a pass to slice).
@@ -80,12 +81,13 @@ def _image_conv(node: fx.Node, xv: torch.Tensor, ctx) -> str | None:
     from ..kernels import conv2d_image as kernel  # here: importing the kernels builds Triton helpers, which must wait
 
     x, w, bias, stride, padding, dilation, transposed, _, groups = node.args
-    wv, dtype = legality.val(w), xv.dtype
+    if bias is not None or transposed or legality.val(w) is None:
+        return "a bias or a transposed conv"
+    dtype = xv.dtype
     # the kernel casts as it pads: it reads the fp32 tensor that a cast only this conv reads casts
     src = [u if legality.val(u).dtype in (dtype, torch.float32) else t
            for t, u in ((t, _uncast(t, {node})) for t in (x, w))]
-    why = ("a bias or a transposed conv" if bias is not None or transposed or wv is None
-           else kernel.refusal(*(legality.val(t) for t in src), stride, padding, dilation, groups, dtype)
+    why = (kernel.refusal(*(legality.val(t) for t in src), stride, padding, dilation, groups, dtype)
            or _unmeasured(xv.device))
     if why is None:
         args = (*src, list(stride), list(padding), dtype, "triton")
