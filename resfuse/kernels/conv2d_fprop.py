@@ -188,11 +188,14 @@ class ConvConfig:
     #                      ignored where the conv is no plain GEMM
     tma_store: bool = False  # a 1x1 conv as a GEMM: its output written by bulk stores (matmul.GemmConfig.tma_store);
     #                          like persistent, not for a conv with more than one tap
+    image: bool = False  # kernels/conv2d_image.py instead (a conv over an image of at most 4 channels: the image
+    #                      padded once, then overlapping views of its rows); the other fields are then ignored
 
     def check(self, p: ConvProblem) -> bool:
         return (tiles_fit(self, p.dtype_bytes) and not (self.tma and (self.flat or self.block_k * p.dtype_bytes < 16))
                 and not (self.ws and not self.tma) and persistent_ok(self)
-                and not ((self.persistent or self.tma_store) and p.r * p.s > 1))
+                and not ((self.persistent or self.tma_store) and p.r * p.s > 1)
+                and not (self.image and (p.c > 4 or p.s > 8 or p.k > 256)))
 
 
 SPACE = {  # the tuner (tuning/space.py) enumerates this product and keeps the configs that pass check()

@@ -200,6 +200,12 @@ def conv_tma_operands(x: torch.Tensor, w: torch.Tensor, stride) -> tuple[torch.T
 def conv2d(x: torch.Tensor, w: torch.Tensor, operands, signature: str, stride, padding, dilation,
            out: torch.Tensor, config: ConvConfig | DepthwiseConfig | None = None,
            aux: torch.Tensor | None = None) -> torch.Tensor:
+    if getattr(config, "image", False):  # the tuner offers it where space.image_refusal says it may
+        from .conv2d_image import image_conv
+
+        if aux is not None or tuple(dilation) != (1, 1):
+            raise NotImplementedError("the image conv takes no aux output and no dilation")
+        return image_conv(x, w, stride, padding, out, operands, signature)
     if is_depthwise(x.shape, w.shape):
         key = plan_key("depthwise", signature, tuple(stride), tuple(padding), tuple(dilation), config, x, w, out,
                        aux, *operands)

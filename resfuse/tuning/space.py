@@ -6,6 +6,7 @@ kernels/conv2d_bwd_data.py, kernels/chain.py and kernels/shortcut.py); here it i
   none  the heuristic default only (no tuning);
   fast  the default and a few tile shapes around it that suit Hopper (the default level); for the chain kernel
         and the shortcut kernel, the default and its whole space (eight, and 16 or 28 configs of one form);
+        for a conv over an image of at most 4 channels, also the image conv (at this level and at max);
   max   every point of SPACE that passes `check` (hundreds of compiles: slow).
 """
 from __future__ import annotations
@@ -135,4 +136,18 @@ def configs(call, level: str) -> list:
                       if c.tma and c.split_k == 1 and (c.block_m, c.block_n) in PERSISTENT_TILES]
     if not _tma_readable(call):
         found = [c for c in found if not getattr(c, "tma", False)]  # it would run the pointer mainloop: a duplicate
+    if family is conv2d_fprop and image_refusal(call) is None:
+        found.append(dataclasses.replace(default, image=True))
     return [c for c in dict.fromkeys(found) if c.check(p)]
+
+
+def image_refusal(call) -> str | None:
+    """Why the image conv (kernels/conv2d_image.py) is no candidate for this fused conv (None: it is one)."""
+    from ..kernels import conv2d_image
+
+    x, w = call.inputs
+    stride, padding, dilation = call.params
+    _, k, oh, ow = call.out.shape
+    if call.out.strides != (oh * ow * k, 1, ow * k, k):
+        return "an output that is not dense channels_last"
+    return conv2d_image.refusal(x, w, stride, padding, dilation, 1, call.out.dtype, call.signature)

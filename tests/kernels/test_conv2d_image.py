@@ -1,14 +1,18 @@
 """The image conv (kernels/conv2d_image.py) under the interpreter: a bias-free conv over an image of 1 to 4
 channels, every filter size, stride and padding it takes, output channels that are no power of two, against the
-float64 conv; an inf just past a window stays out of the output; and its refusals."""
+float64 conv; with random epilogues, as the tuner's candidate for a fused conv (launch.conv2d with a ConvConfig's
+`image`); an inf just past a window stays out of the output; and its refusals."""
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from resfuse.kernels import conv2d_image
+from resfuse import epilogue as epi
+from resfuse.kernels import conv2d_image, launch
+from resfuse.kernels.conv2d_fprop import ConvConfig
+from resfuse.ops.fused import conv_out_shape
 
-from .epilogues import assert_close
+from .epilogues import assert_close, make_operand, reference, trees
 
 
 @settings(max_examples=80, deadline=None)
@@ -53,3 +57,23 @@ def test_refusals(case, why):
     got = conv2d_image.refusal(x, wt, (1, 1), (1, 1), (2, 2) if case == "dilation" else (1, 1),
                                3 if case == "groups" else 1)
     assert got is not None and why in got, got
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from([torch.float16, torch.bfloat16]), c=st.integers(1, 4),
+       side=st.integers(3, 17), k=st.integers(1, 40), rs=st.sampled_from([1, 3, 4, 7]), stride=st.integers(1, 3),
+       padding=st.integers(0, 3))
+def test_image_conv_epilogues_as_the_tuners_candidate(data, dtype, c, side, k, rs, stride, padding):
+    if side + 2 * padding < rs:
+        return  # no output pixel
+    tree, roles = data.draw(trees())
+    x = torch.randn(2, c, side, side).to(dtype).contiguous(memory_format=torch.channels_last)
+    w = (torch.randn(k, c, rs, rs) / (c * rs * rs) ** 0.5).to(dtype)
+    out_shape = conv_out_shape(x, w, (stride,) * 2, (padding,) * 2, (1, 1))
+    layouts = data.draw(st.lists(st.integers(0, 2), min_size=len(roles), max_size=len(roles)))
+    operands = [make_operand(role, kind, out_shape, 1, dtype, lay) for (kind, role), lay in zip(roles, layouts)]
+    assert conv2d_image.refusal(x, w, (stride,) * 2, (padding,) * 2, (1, 1), 1, dtype, str(tree)) is None
+    out = torch.full(out_shape, float("nan"), dtype=dtype).contiguous(memory_format=torch.channels_last)
+    launch.conv2d(x, w, operands, str(tree), [stride] * 2, [padding] * 2, [1, 1], out, ConvConfig(image=True))
+    acc = F.conv2d(x.double(), w.double(), None, stride, padding)
+    assert_close(epi.rows3(out, out.shape, 1), reference(acc, tree, operands, 1), dtype)

@@ -1,4 +1,6 @@
 """The tuning space per level: what the triton provider offers for a GEMM, TMA mainloop variants included."""
+import dataclasses
+
 import torch
 
 from resfuse.ops.fused import Output
@@ -97,3 +99,32 @@ def test_bulk_store_twins_only_for_unsplit_tma_gemms_into_fp16_or_bf16():
         assert not any(space.bulk_store_twin(aligned, c) for c in offered)
     finally:
         kernels.set_options(tma_store=True)
+
+
+def test_a_fused_conv_over_an_image_gets_the_image_conv_as_a_candidate():
+    def conv_call(x, w, signature="relu(add(acc,c0))", layout=torch.channels_last):
+        oh = (x.shape[2] + 2 - w.shape[2]) // 2 + 1
+        out = Output.of([x.shape[0], w.shape[0], oh, oh], x.dtype, x.device, layout)
+        return Call("conv2d", (x, w), [torch.randn(w.shape[0]).half()], signature, ([2, 2], [1, 1], [1, 1]), out)
+
+    cl = torch.channels_last
+    image = torch.randn(2, 3, 16, 16).half().contiguous(memory_format=cl)
+    stem = conv_call(image, torch.randn(32, 3, 3, 3).half())
+    for level in ("fast", "max"):
+        assert [c for c in space.configs(stem, level) if c.image] == [
+            dataclasses.replace(space.configs(stem, "none")[0], image=True)]
+    assert not any(c.image for c in space.configs(stem, "none"))
+    wide = torch.randn(32, 3, 3, 9).half()  # 9 taps: past the kernel's 8
+    others = [conv_call(torch.randn(2, 8, 16, 16).half().contiguous(memory_format=cl), torch.randn(32, 8, 3, 3).half()),
+              conv_call(image, torch.randn(32, 3, 3, 3).half(), layout=torch.contiguous_format),
+              conv_call(image, torch.randn(32, 3, 3, 3).half(), "aux(relu(add(acc,c0)))")]
+    for call in others:
+        assert not any(c.image for c in space.configs(call, "fast")), call
+    assert space.image_refusal(others[1]) == "an output that is not dense channels_last"
+    assert "second output" in space.image_refusal(others[2])
+    assert "8 wide" in conv2d_image_refusal(image, wide)
+
+
+def conv2d_image_refusal(x, w):
+    from resfuse.kernels import conv2d_image
+    return conv2d_image.refusal(x, w, (2, 2), (1, 1), (1, 1), 1)
