@@ -8,7 +8,8 @@ GPU's (`FakeHopper`: JITFunction.run asks the driver only for a device, a stream
 hook), records what each tuning candidate's launches would compile (tuning/precompile.record, as the tuner's
 workers do), and compiles one of each distinct kernel (tile sizes aside; split-K, TMA, persistent and store
 variants kept) with tuning/workers.compile_spec. The calls cover every kernel family the tuner offers for a fused
-conv, GEMM, chain and shortcut, each with an epilogue, and the image conv (bare, and cast from autocast's fp32)."""
+conv, GEMM, chain and shortcut, each with an epilogue, and the image conv (bare, and cast from autocast's fp32),
+with programmatic dependent launch on, as on a Hopper GPU."""
 import os
 import subprocess
 import sys
@@ -29,7 +30,8 @@ class FakeHopper:
 
 
 driver.set_active(FakeHopper())
-from resfuse.kernels import conv2d_image
+from resfuse.kernels import conv2d_image, plan
+plan._pdl_supported = lambda device: True  # the kernels' programmatic-dependent-launch branch, as on a Hopper GPU
 from resfuse.ops import chain as chain_op, fused, shortcut as shortcut_op
 from resfuse.providers import triton as provider
 from resfuse.tuning import precompile, workers
