@@ -161,21 +161,20 @@ def refusal(x: torch.Tensor, w: torch.Tensor, stride, padding, dilation, groups:
     return None
 
 
-def geometry(x: torch.Tensor, w: torch.Tensor, stride, padding) -> tuple[int, int, int, int]:
-    """(OH, OW, HP, WP): the output's size and the padded image's, rows and columns enough for every read (the
-    last output column reads KP // CP pixels from ow * SW), columns a multiple of 4 so that a row is a multiple of
-    16 bytes (Triton then knows its stride's alignment)."""
+def padded_size(x: torch.Tensor, w: torch.Tensor, stride, padding, oh: int, ow: int) -> tuple[int, int]:
+    """(HP, WP): the padded image's rows and columns, enough for every read of an OH x OW output (the last output
+    column reads KP // CP pixels from ow * SW), columns a multiple of 4 so that a row is a multiple of 16 bytes
+    (Triton then knows its stride's alignment)."""
     _, _, h, wd = x.shape
     _, _, r, s = w.shape
-    oh = (h + 2 * padding[0] - r) // stride[0] + 1
-    ow = (wd + 2 * padding[1] - s) // stride[1] + 1
     hp = max(h + 2 * padding[0], (oh - 1) * stride[0] + r)
-    wp = max(wd + 2 * padding[1], (ow - 1) * stride[1] + _kp(s) // CP)
-    return oh, ow, hp, wp + -wp % 4
+    wp = max(wd + 2 * padding[1], (ow - 1) * stride[1] + _block(s * CP) // CP)
+    return hp, wp + -wp % 4
 
 
-def _kp(s: int) -> int:
-    return max(16, triton.next_power_of_2(s * CP))
+def _block(n: int) -> int:
+    """A reduction or channel block of n: a power of two, at least 16 (a tensor-core dot's least)."""
+    return max(16, triton.next_power_of_2(n))
 
 
 def image_conv(x: torch.Tensor, w: torch.Tensor, stride, padding, out: torch.Tensor, operands=(),
@@ -184,15 +183,15 @@ def image_conv(x: torch.Tensor, w: torch.Tensor, stride, padding, out: torch.Ten
     x and w are cast to it as they are padded and packed."""
     if not nhwc_dense(out):
         raise NotImplementedError("the image conv writes a dense channels_last output")
-    n, c, h, wd = x.shape
-    k, _, r, s = w.shape
-    oh, ow, hp, wp = geometry(x, w, stride, padding)
-    kp = _kp(s)
-    xp = torch.empty((n, hp, wp, CP), dtype=out.dtype, device=x.device)
-    bk = max(16, triton.next_power_of_2(k))
-    packed = torch.empty((r, kp, bk), dtype=out.dtype, device=x.device)
     if out.numel() == 0:
         return out
+    n, c, h, wd = x.shape
+    k, _, r, s = w.shape
+    oh, ow = out.shape[2:]
+    hp, wp = padded_size(x, w, stride, padding, oh, ow)
+    kp, bk = _block(s * CP), _block(k)
+    xp = torch.empty((n, hp, wp, CP), dtype=out.dtype, device=x.device)
+    packed = torch.empty((r, kp, bk), dtype=out.dtype, device=x.device)
     pixels = n * hp * wp
     big = _big(x, xp, out)
     pdl = pdl_meta(x.device)

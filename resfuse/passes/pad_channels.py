@@ -110,9 +110,9 @@ def _image_conv(node: fx.Node, xv: torch.Tensor, ctx) -> str | None:
 
 def _unmeasured(device: torch.device) -> str | None:
     """image_conv is not tuned against cuDNN per shape: it runs only on the GPUs it was measured faster on."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] not in MEASURED_ON:
-        return (f"compute capability {torch.cuda.get_device_capability(device)}: image_conv was measured against "
-                f"cuDNN on Hopper (9.x) only")
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if capability is not None and capability[0] not in MEASURED_ON:
+        return f"compute capability {capability}: image_conv was measured against cuDNN on Hopper (9.x) only"
     return None
 
 

@@ -144,10 +144,10 @@ def configs(call, level: str) -> list:
 def image_refusal(call) -> str | None:
     """Why the image conv (kernels/conv2d_image.py) is no candidate for this fused conv (None: it is one)."""
     from ..kernels import conv2d_image
+    from ..ops.fused import dense_strides
 
     x, w = call.inputs
     stride, padding, dilation = call.params
-    _, k, oh, ow = call.out.shape
-    if call.out.strides != (oh * ow * k, 1, ow * k, k):
+    if call.out.strides != dense_strides(call.out.shape, torch.channels_last):
         return "an output that is not dense channels_last"
     return conv2d_image.refusal(x, w, stride, padding, dilation, 1, call.out.dtype, call.signature)
