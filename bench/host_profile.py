@@ -4,8 +4,9 @@
 
 Compiles the model with resfuse (fp16, channels_last), checks it against eager, times resfuse with
 cuda_graphs=False, True and the default beside torch.compile reduce-overhead (CUDA events, median of 50
-calls), then runs cProfile over 20 uncaptured calls of each job and prints the functions with
-the most own and cumulative time. Full profile in $OUT/host_profile.txt.
+calls), and cuda_graphs=False again over the harness's 4 rotated input sets ("resfuse rotated"), then runs
+cProfile over 20 uncaptured calls of each job, rotating the sets, and prints the functions with the most own
+and cumulative time. Full profile in $OUT/host_profile.txt.
 """
 import argparse
 import cProfile
@@ -21,9 +22,9 @@ import resfuse  # noqa: E402
 from resfuse.bench import models, timing  # noqa: E402
 
 
-def median_ms(fn, x, iters=50):
-    """Median CUDA-event latency of fn(x) over one input set (the harness's timer)."""
-    return timing.latency(fn, [(x,)], x.device, iters, warmup=5).median_ms
+def median_ms(fn, sets, iters=50):
+    """Median CUDA-event latency of fn over the input sets, in turn (the harness's timer)."""
+    return timing.latency(fn, sets, sets[0][0].device, iters, warmup=5).median_ms
 
 
 def main():
@@ -45,15 +46,17 @@ def main():
             peers["resfuse+graphs"] = resfuse.compile(model, cuda_graphs=True)
             peers["resfuse default"] = resfuse.compile(model)  # inference on CUDA: graphs, as above
             res = {}
+            sets = timing.input_sets((x,))
             for peer, fn in peers.items():
                 out = fn(x).float()
                 err = ((out - ref).norm() / ref.norm()).item()
-                res[peer] = (median_ms(fn, x), err)
+                res[peer] = (median_ms(fn, [(x,)]), err)
+            res["resfuse rotated"] = (median_ms(peers["resfuse"], sets), res["resfuse"][1])
             prof = cProfile.Profile()
             fn = peers["resfuse"]
             prof.enable()
-            for _ in range(20):
-                fn(x)
+            for i in range(20):
+                fn(*sets[i % len(sets)])
             torch.cuda.synchronize()
             prof.disable()
             s = io.StringIO()

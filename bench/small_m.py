@@ -2,7 +2,12 @@
 alone against our conv kernel (no epilogue) at wider split-K factors than the heuristic's (it keeps 4 reduction
 blocks a split, matmul.split_k_heuristic), to see whether splitting the reduction further pays at this size.
 
-  python bench/small_m.py [--batch 1] [--out DIR]
+  python bench/small_m.py [--batch 1] [--cases "l4 3x3 512,..."] [--tiles 64x64,32x64,64x128] [--splits 1,4,8,16,32]
+                          [--tma] [--out DIR]
+
+At batch 32 the same question for the 3x3 convs whose 128x128 tiles under-fill the 132 SMs (layers 3 and 4), and
+layer 1's 3x3 conv for scale: `--batch 32 --tiles 128x128,128x64,64x128,64x64 --splits 1,2,4,8 --tma` (the box
+mainloop, as the tuner offers it for a stride-1 3x3 conv).
 
 fp16 channels_last; each variant checked against the fp32 conv, timed by CUDA-graph replay (the tuner's timer), us;
 rows printed as measured, all in DIR/small_m.json.
@@ -22,39 +27,55 @@ from resfuse import kernels  # noqa: E402
 from resfuse.kernels.conv2d_fprop import ConvConfig  # noqa: E402
 from resfuse.tuning.choose import _bench  # noqa: E402
 
-# (name, C, K, side, filter, stride): layer 4's 3x3 and 1x1 2048>512, layer 3's 3x3
-CASES = [("l4 3x3 512", 512, 512, 7, 3, 1), ("l4 1x1 2048>512", 2048, 512, 7, 1, 1), ("l3 3x3 256", 256, 256, 14, 3, 1)]
-CONFIGS = [(bm, bn, split) for bm, bn in ((64, 64), (32, 64), (64, 128)) for split in (1, 4, 8, 16, 32)]
+# (name, C, K, side, filter, stride): layer 4's 3x3 and 1x1 2048>512, layer 3's, layer 2's and layer 1's 3x3
+CASES = [("l4 3x3 512", 512, 512, 7, 3, 1), ("l4 1x1 2048>512", 2048, 512, 7, 1, 1), ("l3 3x3 256", 256, 256, 14, 3, 1),
+         ("l2 3x3 128", 128, 128, 28, 3, 1), ("l1 3x3 64", 64, 64, 56, 3, 1)]
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--cases", default="l4 3x3 512,l4 1x1 2048>512,l3 3x3 256")
+    p.add_argument("--tiles", default="64x64,32x64,64x128")
+    p.add_argument("--splits", default="1,4,8,16,32")
+    p.add_argument("--tma", action="store_true", help="TMA mainloops (tiles of 4 or 8 warps by size)")
+    p.add_argument("--stages", help="comma list of num_stages to sweep (default: by tile size)")
+    p.add_argument("--warps", help="comma list of num_warps to sweep (default: by tile size)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
+    tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
+    def ints(text):
+        return [int(v) for v in text.split(",")] if text else [None]
+    configs = [(bm, bn, split, stages, warps) for bm, bn in tiles for split in ints(args.splits)
+               for stages in ints(args.stages) for warps in ints(args.warps)]
+    cases = [c for c in CASES if c[0] in args.cases.split(",")]
     torch.backends.cudnn.benchmark = True
     rows = []
-    for name, c, k, side, r, stride in CASES:
+    for name, c, k, side, r, stride in cases:
         cl = torch.channels_last
         x = torch.randn(args.batch, c, side, side, device="cuda").half().contiguous(memory_format=cl)
         w = (torch.randn(k, c, r, r, device="cuda") / (c * r * r) ** 0.5).half().contiguous(memory_format=cl)
         pad = r // 2
         ref = F.conv2d(x.float(), w.float(), None, stride, pad)
         out = torch.empty(ref.shape, device="cuda", dtype=torch.float16).contiguous(memory_format=cl)
-        rows.append({"case": name, "variant": "cudnn", "us": _bench(lambda: F.conv2d(x, w, None, stride, pad)) * 1e6})
+        rows.append({"case": name, "variant": "cudnn", "batch": args.batch, "us": _bench(lambda: F.conv2d(x, w, None, stride, pad)) * 1e6})
         print(rows[-1], flush=True)
-        for bm, bn, split in CONFIGS:
-            cfg = ConvConfig(bm, bn, 64, 8, split, False, 4, 3, tma=r == 1)
+        for bm, bn, split, stages, warps in configs:
+            big = bm * bn >= 128 * 128
+            cfg = ConvConfig(bm, bn, 64, 8, split, False, warps or (8 if big and args.tma else 4),
+                             stages or (3 if big or not args.tma else 4), tma=args.tma or r == 1)
+            label = f"ours {bm}x{bn} split {split} stages {cfg.num_stages} warps {cfg.num_warps}"
+
             def run(cfg=cfg):
                 kernels.conv2d(x, w, [], "acc", [stride] * 2, [pad] * 2, [1, 1], out, cfg)
             try:
                 out.fill_(float("nan"))
                 run()
                 err = ((out.float() - ref).norm() / ref.norm()).item()
-                rows.append({"case": name, "variant": f"ours {bm}x{bn} split {split}", "us": _bench(run) * 1e6,
+                rows.append({"case": name, "variant": label, "us": _bench(run) * 1e6,
                              "rel_err": err})
             except Exception as e:  # noqa: BLE001 - a config that fails is a row
-                rows.append({"case": name, "variant": f"ours {bm}x{bn} split {split}", "error": str(e)[:200]})
+                rows.append({"case": name, "variant": label, "error": str(e)[:200]})
             print(rows[-1], flush=True)
         with open(os.path.join(args.out, "small_m.json"), "w") as f:
             json.dump(rows, f, indent=1)
