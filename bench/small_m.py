@@ -3,7 +3,7 @@ alone against our conv kernel (no epilogue) at wider split-K factors than the he
 blocks a split, matmul.split_k_heuristic), to see whether splitting the reduction further pays at this size.
 
   python bench/small_m.py [--batch 1] [--cases "l4 3x3 512,..."] [--tiles 64x64,32x64,64x128] [--splits 1,4,8,16,32]
-                          [--tma] [--stages 1,2,3] [--warps 4,8] [--persistent 0,1,2] [--out DIR]
+                          [--tma] [--out DIR]
 
 At batch 32 the same question for the 3x3 convs whose 128x128 tiles under-fill the 132 SMs (layers 3 and 4), and
 layer 1's 3x3 conv for scale: `--batch 32 --tiles 128x128,128x64,64x128,64x64 --splits 1,2,4,8 --tma` (the box
@@ -41,15 +41,13 @@ def main():
     p.add_argument("--tma", action="store_true", help="TMA mainloops (tiles of 4 or 8 warps by size)")
     p.add_argument("--stages", help="comma list of num_stages to sweep (default: by tile size)")
     p.add_argument("--warps", help="comma list of num_warps to sweep (default: by tile size)")
-    p.add_argument("--persistent", default="0", help="comma list of programs an SM (0: a tile a program)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
     def ints(text):
         return [int(v) for v in text.split(",")] if text else [None]
-    configs = [(bm, bn, split, stages, warps, per) for bm, bn in tiles for split in ints(args.splits)
-               for stages in ints(args.stages) for warps in ints(args.warps) for per in ints(args.persistent)
-               if not (per and split > 1)]
+    configs = [(bm, bn, split, stages, warps) for bm, bn in tiles for split in ints(args.splits)
+               for stages in ints(args.stages) for warps in ints(args.warps)]
     cases = [c for c in CASES if c[0] in args.cases.split(",")]
     torch.backends.cudnn.benchmark = True
     rows = []
@@ -62,11 +60,11 @@ def main():
         out = torch.empty(ref.shape, device="cuda", dtype=torch.float16).contiguous(memory_format=cl)
         rows.append({"case": name, "variant": "cudnn", "batch": args.batch, "us": _bench(lambda: F.conv2d(x, w, None, stride, pad)) * 1e6})
         print(rows[-1], flush=True)
-        for bm, bn, split, stages, warps, per in configs:
+        for bm, bn, split, stages, warps in configs:
             big = bm * bn >= 128 * 128
             cfg = ConvConfig(bm, bn, 64, 8, split, False, warps or (8 if big and args.tma else 4),
-                             stages or (3 if big or not args.tma else 4), tma=args.tma or r == 1, persistent=per)
-            label = f"ours {bm}x{bn} split {split} stages {cfg.num_stages} warps {cfg.num_warps} persistent {per}"
+                             stages or (3 if big or not args.tma else 4), tma=args.tma or r == 1)
+            label = f"ours {bm}x{bn} split {split} stages {cfg.num_stages} warps {cfg.num_warps}"
 
             def run(cfg=cfg):
                 kernels.conv2d(x, w, [], "acc", [stride] * 2, [pad] * 2, [1, 1], out, cfg)

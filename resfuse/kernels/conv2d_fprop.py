@@ -84,30 +84,7 @@ def conv2d_tma_mainloop(x_desc, w_desc, NB, H, W, C, KO, OH, OW, R, S, s_on, s_o
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                         SPLIT_K: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, PRECISION: tl.constexpr,
                         WS: tl.constexpr):
-    """conv2d_fprop_mainloop for a stride-1 conv whose channels_last input and weight TMA descriptors read: one
-    tile (conv2d_tma_tile) a program."""
-    return conv2d_tma_tile(tl.program_id(0), tl.program_id(2), x_desc, w_desc, NB, H, W, C, KO, OH, OW, R, S,
-                           s_on, s_oh, s_ow, pad_h, pad_w, dil_h, dil_w, BM, BN, BK, GROUP_M, SPLIT_K, BH, BW,
-                           PRECISION, WS)
-
-
-@triton.jit
-def conv2d_tma_persistent_mainloop(tile_id, x_desc, w_desc, NB, H, W, C, KO, OH, OW, R, S, s_on, s_oh, s_ow,
-                                   pad_h, pad_w, dil_h, dil_w, TILES, BM: tl.constexpr, BN: tl.constexpr,
-                                   BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, BH: tl.constexpr,
-                                   BW: tl.constexpr, PRECISION: tl.constexpr):
-    """Tile `tile_id` of conv2d_tma_tile for a persistent kernel, which walks TILES tiles (codegen's loop): the
-    whole reduction, no split."""
-    return conv2d_tma_tile(tile_id, 0, x_desc, w_desc, NB, H, W, C, KO, OH, OW, R, S, s_on, s_oh, s_ow,
-                           pad_h, pad_w, dil_h, dil_w, BM, BN, BK, GROUP_M, 1, BH, BW, PRECISION, False)
-
-
-@triton.jit
-def conv2d_tma_tile(pid, pid_k, x_desc, w_desc, NB, H, W, C, KO, OH, OW, R, S, s_on, s_oh, s_ow, pad_h, pad_w,
-                    dil_h, dil_w, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                    SPLIT_K: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, PRECISION: tl.constexpr,
-                    WS: tl.constexpr):
-    """Tile `pid`, split `pid_k`, of a stride-1 conv whose channels_last input and weight TMA descriptors read.
+    """conv2d_fprop_mainloop for a stride-1 conv whose channels_last input and weight TMA descriptors read.
 
     A tile is a box of output pixels, BM // (BH * BW) images x BH rows x BW columns, so that for each tap
     (r, s) its inputs are one shifted [images, BH, BW, BK] box of the NHWC input: one bulk copy, no address
@@ -115,6 +92,8 @@ def conv2d_tma_tile(pid, pid_k, x_desc, w_desc, NB, H, W, C, KO, OH, OW, R, S, s
     weight tile is a [BN, 1, 1, BK] box of the KRSC weight. Pixels of the box past the output's edge are
     computed and masked at the store."""
     IMGS: tl.constexpr = BM // (BH * BW)
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(2)
     tiles_w = cdiv(OW, BW)
     tiles_h = cdiv(OH, BH)
     tile_m, tile_n = swizzle_tile(pid, cdiv(NB, IMGS) * tiles_h * tiles_w, cdiv(KO, BN), GROUP_M)
@@ -147,12 +126,6 @@ TMA_FAMILY = Family(
           "pad_h", "pad_w", "dil_h", "dil_w"),
     constexprs=("BM", "BN", "BK", "GROUP_M", "SPLIT_K", "BH", "BW", "PRECISION", "WS"),
     n_cols="KO", s_out_c="s_ok",
-)
-
-TMA_PERSISTENT_FAMILY = Family(
-    name="conv2d_tma_persistent", module=__name__, mainloop="conv2d_tma_persistent_mainloop",
-    args=(*TMA_FAMILY.args, "TILES"), constexprs=("BM", "BN", "BK", "GROUP_M", "SPLIT_K", "BH", "BW", "PRECISION"),
-    n_cols="KO", s_out_c="s_ok", loop="TILES",
 )
 
 
@@ -211,18 +184,17 @@ class ConvConfig:
     #                    accepts it, else conv2d_tma_mainloop where launch.conv_tma_operands does; else ignored
 
     ws: bool = False  # warp-specialise a TMA mainloop's loop (ignored without tma)
-    persistent: int = 0  # > 0: this many programs an SM, each walking tiles: a 1x1 conv as a persistent GEMM
-    #                      (matmul.PERSISTENT_FAMILY), else the box mainloop's TMA_PERSISTENT_FAMILY; ignored where
-    #                      neither TMA mainloop runs the conv
+    persistent: int = 0  # > 0: a 1x1 conv as a persistent GEMM (matmul.PERSISTENT_FAMILY), this many programs an SM;
+    #                      ignored where the conv is no plain GEMM
     tma_store: bool = False  # a 1x1 conv as a GEMM: its output written by bulk stores (matmul.GemmConfig.tma_store);
-    #                          not for a conv with more than one tap
+    #                          like persistent, not for a conv with more than one tap
     image: bool = False  # kernels/conv2d_image.py instead (a conv over an image of at most 4 channels: the image
     #                      padded once, then overlapping views of its rows); the other fields are then ignored
 
     def check(self, p: ConvProblem) -> bool:
         return (tiles_fit(self, p.dtype_bytes) and not (self.tma and (self.flat or self.block_k * p.dtype_bytes < 16))
                 and not (self.ws and not self.tma) and persistent_ok(self)
-                and not (self.tma_store and p.r * p.s > 1)
+                and not ((self.persistent or self.tma_store) and p.r * p.s > 1)
                 and not (self.image and (p.c > 4 or p.s > 8 or p.k > 256)))
 
 

@@ -26,7 +26,6 @@ from .elementwise import FAMILY as EWISE_FAMILY, channel_vector, default_config 
 from .conv2d_bwd_data import FAMILY as DGRAD_FAMILY, DgradConfig, DgradProblem, tap_inverse
 from .conv2d_bwd_data import default_config as dgrad_config
 from .conv2d_fprop import FAMILY as CONV_FAMILY, TMA_FAMILY as CONV_TMA_FAMILY, ConvConfig, ConvProblem, tma_box
-from .conv2d_fprop import TMA_PERSISTENT_FAMILY as CONV_TMA_PERSISTENT_FAMILY
 from .conv2d_fprop import default_config as conv_config
 from .conv2d_depthwise import FAMILY as DEPTHWISE_FAMILY, DepthwiseConfig, is_depthwise, pixel_alignment
 from .conv2d_depthwise import default_config as depthwise_config
@@ -294,16 +293,12 @@ def _tma_conv_plan(x, w, operands, signature, out, cfg, split, padding, dilation
 
     tiles = triton.cdiv(nb, imgs) * triton.cdiv(oh, bh) * triton.cdiv(ow, bw) * triton.cdiv(ko, bn)
     s_on, s_ok, s_oh, s_ow = out.stride()
-    head = [nb, h, wd, c, ko, oh, ow, r, s, s_on, s_oh, s_ow, padding[0], padding[1], dilation[0], dilation[1]]
+    head = [nb, h, wd, c, ko, oh, ow, r, s, s_on, s_oh, s_ow, padding[0], padding[1], dilation[0], dilation[1], s_ok]
     meta = dict(BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, SPLIT_K=split, BH=bh, BW=bw, PRECISION=_precision(x.dtype),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    strides = operand_strides(signature, operands, out.shape, 1)
-    if cfg.persistent and split == 1:  # programs walk the tiles: a tile's loads overlap the last one's epilogue
-        programs = min(tiles, cfg.persistent * sm_count(x.device))
-        return Plan(codegen.load(CONV_TMA_PERSISTENT_FAMILY, signature), (programs, 1, 1), [*head, tiles, s_ok],
-                    strides, meta, (tiles, 1, bm, bn), out.device, descriptors, tiles // triton.cdiv(ko, bn))
-    return Plan(codegen.load(CONV_TMA_FAMILY, signature), (tiles, 1, split), [*head, s_ok], strides,
-                dict(meta, WS=cfg.ws), (tiles, split, bm, bn), out.device, descriptors, tiles // triton.cdiv(ko, bn))
+                WS=cfg.ws, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return Plan(codegen.load(CONV_TMA_FAMILY, signature), (tiles, 1, split), head,
+                operand_strides(signature, operands, out.shape, 1), meta, (tiles, split, bm, bn), out.device,
+                descriptors, tiles // triton.cdiv(ko, bn))
 
 
 def conv2d_dgrad(grad_out: torch.Tensor, w: torch.Tensor, operands, signature: str, stride, padding, dilation,
