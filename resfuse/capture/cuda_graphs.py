@@ -31,6 +31,7 @@ class _Capture:
         self.fixed_ptrs, self.fixed_idx, self.fixed_objs = None, [], None  # see replays()
         self.not_fixed, self.scalar_idx, self.scalars, self.copied_sig = [], [], [], ()
         self.folds = None  # providers.fold_bn.FoldWatch: batch norms folded into conv weights that the graph reads
+        self.tickets = None  # kernels.split_k.graph_tickets: the graph's split launches' tickets, kept with it
 
     def remember(self, args: tuple, ptrs: list) -> None:
         """What moved() and replays() compare: the inputs read in place (their addresses and objects; the
@@ -113,6 +114,7 @@ class CudaGraphed:
     _on_cuda = staticmethod(on_cuda)  # (tests replace it)
 
     def _capture(self, cap: _Capture, args, ptrs: list) -> None:
+        from ..kernels import split_k  # not at import, as below
         from ..providers.fold_bn import FoldWatch, recording_folds  # not at import: it would import the kernels
 
         cap.copied = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and ptrs[i] != cap.first_ptrs[i]]
@@ -131,7 +133,8 @@ class CudaGraphed:
             torch.cuda.current_stream().wait_stream(side)
             torch.cuda.empty_cache()
             cap.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(cap.graph):
+            device = next(a.device for a in args if isinstance(a, torch.Tensor))  # on_cuda(args) found one
+            with split_k.graph_tickets(device) as cap.tickets, torch.cuda.graph(cap.graph):
                 cap.outputs = self.fn(list(cap.static))
         cap.folds = FoldWatch(folds) if folds else None
         cap.remember(args, ptrs)

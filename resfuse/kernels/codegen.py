@@ -29,8 +29,9 @@ from .activations import HELPERS
 # 6: the GEMM's TMA families read full operands through descriptors; 7: the aten provider's lone bias as addmm
 # and the cudnn provider's matmul graphs, candidates the cached winners never met; 8: each of cuDNN's first engine
 # configs is its own candidate, and its winner's name is kept; 9: an inference batch norm is one multiply-add per
-# element, and the chain kernel of two 1x1 convs is a candidate; 10: the TMA GEMMs' bulk-store variants)
-TEMPLATE_VERSION = 10
+# element, and the chain kernel of two 1x1 convs is a candidate; 10: the TMA GEMMs' bulk-store variants; 11: split
+# launches keep their tickets (no zeroing kernel) and a conv that under-fills the GPU gets 32-row tiles)
+TEMPLATE_VERSION = 11
 
 _LOADED: dict[tuple[str, str], object] = {}
 _LOCK = threading.Lock()

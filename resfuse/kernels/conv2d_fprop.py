@@ -1,8 +1,8 @@
 """Conv2d forward family: implicit-GEMM Triton mainloop, its config space and its heuristic default.
 
 Entry points: `conv2d_fprop_mainloop` and `conv2d_tma_mainloop` (@triton.jit, called by the generated kernels,
-see codegen.py), `FAMILY` and `TMA_FAMILY`, `tma_box`, `ConvConfig` (the typed tuning space) and
-`default_config(problem)`.
+see codegen.py), `FAMILY` and `TMA_FAMILY`, `tma_box`, `ConvConfig` (the typed tuning space),
+`default_config(problem)`, `few_rows_config(problem, tma)` (the tuner's small tile) and `tiles(config, problem)`.
 
 The GEMM view: rows are output pixels (n, oh, ow), columns are output channels k, the reduction runs over
 (r, s, c) with c innermost. So an input tile is BM pixels x BK channels, contiguous in channels_last, and a
@@ -205,15 +205,34 @@ SPACE = {  # the tuner (tuning/space.py) enumerates this product and keeps the c
 }
 
 
+def tiles(cfg: ConvConfig, p: ConvProblem) -> int:
+    """Output tiles of cfg's grid (before any split)."""
+    return triton.cdiv(p.m, cfg.block_m) * triton.cdiv(p.k, cfg.block_n)
+
+
+def few_rows_config(p: ConvProblem, tma: bool) -> ConvConfig:
+    """32 x 64 tiles, split for their own count of tiles (the heuristic's rule), for a conv whose default tiles
+    under-fill the GPU: at batch 1, layer 4's 3x3 conv took 7.4 us so (split 8) and layer 3's 6.7 (split 4),
+    against cuDNN's 11.4 and 7.7 and 8.8-10.8 for the other tiles (H100, bench/small_m.py, BENCHMARKS.md
+    thirty-fourth session). tma: the conv is a GEMM that the TMA mainloop reads (a 1x1 conv)."""
+    bk, flat, red_blocks = _reduction(p)
+    cfg = ConvConfig(32, 64, bk, 8, 1, flat, 4, 3, tma=tma and not flat)
+    return dataclasses.replace(cfg, split_k=split_k_heuristic(tiles(cfg, p), red_blocks, p.sms))
+
+
+def _reduction(p: ConvProblem) -> tuple[int, bool, int]:
+    """(block_k, flat, reduction blocks): FLAT for a few channels (the RGB stem), one index over (r, s, c)."""
+    flat = p.c < 16
+    bk = 16 if (p.c <= 16 and not flat) else 32 if (p.c <= 32 or p.dtype_bytes == 4 or flat) else 64
+    return bk, flat, p.r * p.s * triton.cdiv(p.c, bk) if not flat else triton.cdiv(p.r * p.s * p.c, bk)
+
+
 def default_config(p: ConvProblem) -> ConvConfig:
     small = p.m * p.k <= 64 * 64
     bm = 32 if p.m <= 32 else 64 if (p.m <= 64 or small) else 128
     bn = 32 if p.k <= 32 else 64 if (p.k <= 64 or small) else 128
-    flat = p.c < 16
-    bk = 16 if (p.c <= 16 and not flat) else 32 if (p.c <= 32 or p.dtype_bytes == 4 or flat) else 64
+    bk, flat, red_blocks = _reduction(p)
     warps = 8 if bm * bn >= 128 * 128 else 4
     stages = 3 if bm * bn >= 128 * 128 else 4
-    red_blocks = p.r * p.s * triton.cdiv(p.c, bk) if not flat else triton.cdiv(p.r * p.s * p.c, bk)
-    tiles = triton.cdiv(p.m, bm) * triton.cdiv(p.k, bn)
-    split = split_k_heuristic(tiles, red_blocks, p.sms)
+    split = split_k_heuristic(triton.cdiv(p.m, bm) * triton.cdiv(p.k, bn), red_blocks, p.sms)
     return ConvConfig(bm, bn, bk, 8, split, flat, warps, stages)

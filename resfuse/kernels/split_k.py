@@ -1,21 +1,39 @@
 """Split-K that is correct for any epilogue: fp32 partials to a workspace, the epilogue once on the full sum.
 
-Entry points: `split_k_reduce` (@triton.jit, called by every generated kernel when SPLIT_K > 1) and
-`buffers(out, tiles, split, bm, bn)` (one launch's workspace and tickets, called by launch.py).
+Entry points: `split_k_reduce` (@triton.jit, called by every generated kernel when SPLIT_K > 1),
+`buffers(out, tiles, split, bm, bn)` (one launch's workspace and tickets, called by plan.py) and
+`graph_tickets(device)` (around a CUDA graph's capture: the tickets its split launches share).
 
 CUTLASS #391 ran the epilogue per partition, which is wrong for a nonlinear activation or a mul. Here every
 split stores its fp32 partial, then takes a ticket for its output tile with an atomic add; the split that
 draws the last ticket sums the partials in fixed order 0..S-1 (so results are bit-identical run to run, and
-do not depend on arrival order), and alone runs the epilogue. Workspace and tickets come from the
-caching allocator per launch (freed stream-ordered when it is done), so launches on two streams never share
-them, and nothing allocated inside a CUDA graph's private pool outlives the graph's own tensors (torch's
-CUDA graph trees refuse that).
+do not depend on arrival order), alone runs the epilogue, and puts the ticket back at zero.
+
+The workspace comes from the caching allocator per launch (no kernel: it is written before it is read). The
+tickets must start at zero, and zeroing a fresh buffer is a kernel of its own: at batch 1 it cost a split conv
+1.4-1.9 us of its 5-9 (BENCHMARKS.md, thirty-fourth session). Since every launch leaves its tickets at zero, a
+zeroed buffer is kept and reused instead:
+  - per CUDA stream for launches outside a capture: a stream's launches run one after another (a programmatic
+    dependent launch waits for the kernel before it at its first statement), and two streams never share one;
+  - per captured graph, from `graph_tickets` around the capture: its launches replay in capture order, and the
+    graph's owner keeps the buffer as long as the graph. A stream's buffer is not used there: a replay may run
+    beside that stream's later launches.
+A capture without `graph_tickets` (torch's CUDA graph trees in training) and a launch of more tiles than a
+kept buffer holds take a zeroed buffer of their own, as before: nothing allocated in a graph's private pool may
+outlive the graph's own tensors (graph trees refuse that).
 """
 from __future__ import annotations
+
+import contextlib
+import threading
 
 import torch
 import triton
 import triton.language as tl
+
+KEPT_TICKETS = 1 << 14  # tickets a kept buffer holds (64 KB): a split launch of more output tiles zeroes its own
+_STREAMS: dict = {}  # (device, stream handle) -> a kept buffer for launches outside a capture
+_CAPTURE = threading.local()  # .tickets: the buffer of the graph this thread is capturing (graph_tickets)
 
 
 @triton.jit
@@ -32,6 +50,7 @@ def split_k_reduce(acc, ws, tickets, tile, pid_k, BM: tl.constexpr, BN: tl.const
     for i in tl.static_range(SPLIT_K):
         # .cg reads through L2, where the other programs' partials are, not a stale L1 line
         total += tl.load(base + i * (BM * BN) + offs, mask=last, other=0.0, cache_modifier=".cg")
+    tl.atomic_xchg(tickets + tile, 0, mask=last)  # the ticket back at zero: a kept buffer needs no zeroing
     return total, last
 
 
@@ -41,4 +60,31 @@ def buffers(out: torch.Tensor, tiles: int, split: int, bm: int, bn: int) -> tupl
     if split == 1:
         return out, out
     ws = torch.empty(tiles * split * bm * bn, dtype=torch.float32, device=out.device)
-    return ws, torch.zeros(max(1, tiles), dtype=torch.int32, device=out.device)
+    kept = _kept(out.device) if tiles <= KEPT_TICKETS else None  # a tensor's device has its index
+    return ws, kept[:tiles] if kept is not None else torch.zeros(max(1, tiles), dtype=torch.int32, device=out.device)
+
+
+def _kept(device: torch.device) -> torch.Tensor | None:
+    """The kept ticket buffer for a launch now on `device` (see the module's docstring), or None."""
+    if device.type != "cuda":
+        return None  # the interpreter launches no zeroing kernel to save
+    if torch.cuda.is_current_stream_capturing():
+        tickets = getattr(_CAPTURE, "tickets", None)
+        return tickets if tickets is not None and tickets.device == device else None
+    stream = torch.cuda.current_stream(device)
+    key = (stream.device, stream.cuda_stream)  # the device with its index: cuda and cuda:0 are one
+    if key not in _STREAMS:
+        _STREAMS[key] = torch.zeros(KEPT_TICKETS, dtype=torch.int32, device=device)
+    return _STREAMS[key]
+
+
+@contextlib.contextmanager
+def graph_tickets(device: torch.device):
+    """Around the capture of a CUDA graph on `device` (entered first, before torch.cuda.graph): yields the
+    zeroed ticket buffer its split launches share, which the caller keeps as long as the graph."""
+    tickets = torch.zeros(KEPT_TICKETS, dtype=torch.int32, device=device)
+    outer, _CAPTURE.tickets = getattr(_CAPTURE, "tickets", None), tickets
+    try:
+        yield tickets
+    finally:
+        _CAPTURE.tickets = outer

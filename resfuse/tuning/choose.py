@@ -197,16 +197,18 @@ def _bench(fn, rep_s: float = 5e-3, retries: int = 5) -> float:
     kernel behind 60 us of Python gets a graph of 300+ calls), and replays it 10 times for 20 ms: about 0.2 s
     of each candidate, most of a cold tuning's minute. Here the estimate comes from replaying a one-call graph,
     and a graph of at most 100 calls is replayed `retries` times for about `rep_s` each; the median counts."""
+    from ..kernels.split_k import graph_tickets
+
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         fn()  # warm-up and lazy initialisation, outside any capture
         one = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(one):
+        with graph_tickets(stream.device), torch.cuda.graph(one):  # split launches' tickets kept, as in a model
             fn()
         estimate = _replay_s(one, 3)
         n = max(1, min(100, int(rep_s / max(estimate, 1e-7))))
         many = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(many):
+        with graph_tickets(stream.device), torch.cuda.graph(many):
             for _ in range(n):
                 fn()
         times = sorted(_replay_s(many, 1) / n for _ in range(retries))

@@ -6,7 +6,9 @@ kernels/conv2d_bwd_data.py, kernels/chain.py and kernels/shortcut.py); here it i
   none  the heuristic default only (no tuning);
   fast  the default and a few tile shapes around it that suit Hopper (the default level); for the chain kernel
         and the shortcut kernel, the default and its whole space (eight, and 16 or 28 configs of one form);
-        for a conv over an image of at most 4 channels, also the image conv (at this level and at max);
+        for a conv whose default tiles under-fill the GPU, also 32 x 64 tiles split for their own count
+        (conv2d_fprop.few_rows_config); for a conv over an image of at most 4 channels, also the image conv
+        (at this level and at max);
   max   every point of SPACE that passes `check` (hundreds of compiles: slow).
 """
 from __future__ import annotations
@@ -134,6 +136,8 @@ def configs(call, level: str) -> list:
             found.append(dataclasses.replace(default, tma=True))
             found += [dataclasses.replace(c, persistent=2) for c in found
                       if c.tma and c.split_k == 1 and (c.block_m, c.block_n) in PERSISTENT_TILES]
+        if family is conv2d_fprop and conv2d_fprop.tiles(default, p) < p.sms:
+            found.append(conv2d_fprop.few_rows_config(p, tma=_tma_gemm(call)))
     if not _tma_readable(call):
         found = [c for c in found if not getattr(c, "tma", False)]  # it would run the pointer mainloop: a duplicate
     if family is conv2d_fprop and image_refusal(call) is None:

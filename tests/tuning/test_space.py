@@ -128,3 +128,26 @@ def test_a_fused_conv_over_an_image_gets_the_image_conv_as_a_candidate():
 def conv2d_image_refusal(x, w):
     from resfuse.kernels import conv2d_image
     return conv2d_image.refusal(x, w, (2, 2), (1, 1), (1, 1), 1)
+
+
+def test_a_conv_whose_tiles_under_fill_the_gpu_gets_32_row_tiles_split_for_their_own_count(monkeypatch):
+    from resfuse.kernels.conv2d_fprop import ConvConfig
+
+    monkeypatch.setattr(space, "sm_count", lambda device: 132)  # an H100's SMs, on CPU tensors
+
+    def conv(n, c, k, side, r):
+        cl = torch.channels_last
+        x = torch.randn(n, c, side, side).half().contiguous(memory_format=cl)
+        w = torch.randn(k, c, r, r).half().contiguous(memory_format=cl)
+        out = Output.of([n, k, side, side], x.dtype, x.device, cl)
+        return Call("conv2d", (x, w), [], "acc", ([1, 1], [r // 2] * 2, [1, 1]), out)
+
+    def few_rows(call):
+        return [c for c in space.configs(call, "fast") if (c.block_m, c.block_n) == (32, 64)]
+
+    # ResNet-50 at batch 1: layer 4's 3x3 conv (16 tiles, 72 blocks of 64 channels: split 8), layer 3's (28 tiles,
+    # 36 blocks: split 4, the cap of 132 // 28), layer 4's 1x1 2048 > 512 (a GEMM: on the TMA mainloop)
+    assert few_rows(conv(1, 512, 512, 7, 3)) == [ConvConfig(32, 64, 64, 8, 8, False, 4, 3)]
+    assert few_rows(conv(1, 256, 256, 14, 3)) == [ConvConfig(32, 64, 64, 8, 4, False, 4, 3)]
+    assert few_rows(conv(1, 2048, 512, 7, 1)) == [ConvConfig(32, 64, 64, 8, 8, False, 4, 3, tma=True)]
+    assert few_rows(conv(32, 64, 64, 56, 3)) == []  # layer 1 at batch 32: 784 default tiles fill the GPU

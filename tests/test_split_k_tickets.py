@@ -1,0 +1,69 @@
+"""Split-K's kept tickets (kernels/split_k.py): every launch leaves its tickets at zero, so one zeroed buffer serves a
+stream's launches one after another, and a captured graph's launches replay after replay. Under the interpreter the
+kernel's reset runs on a kept CPU buffer (resfuse keeps none there); on the GPU (`TRITON_INTERPRET=0 pytest -m
+requires_cuda tests/test_split_k_tickets.py`) on the stream's buffer and a graph's own, with the output poisoned
+before every call."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from resfuse.capture.cuda_graphs import CudaGraphed
+from resfuse.kernels import launch, split_k
+from resfuse.kernels.conv2d_fprop import ConvConfig
+
+from .kernel_devices import DEVICES, skip_unless_available
+
+
+def _conv(device, split):
+    """A split fp16 conv with an epilogue (relu(acc + bias)), its float64 reference, and a call that poisons out
+    first."""
+    torch.manual_seed(0)
+    cl = torch.channels_last
+    x = torch.randn(2, 32, 5, 7, device=device).half().contiguous(memory_format=cl)
+    w = (torch.randn(24, 32, 3, 3, device=device) / 17).half().contiguous(memory_format=cl)
+    bias = torch.randn(24, device=device).half()
+    ref = F.relu(F.conv2d(x.double(), w.double(), bias.double(), 1, 1))
+    out = torch.empty(2, 24, 5, 7, device=device, dtype=torch.float16).contiguous(memory_format=cl)
+    cfg = ConvConfig(16, 16, 16, 2, split, False, 4, 2)
+
+    def run():
+        out.fill_(float("nan"))
+        return launch.conv2d(x, w, [bias], "relu(add(acc,c0))", [1, 1], [1, 1], [1, 1], out, cfg)
+    return run, ref, out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("split", [2, 3, 8])
+def test_split_launches_leave_their_tickets_at_zero(device, split, monkeypatch):
+    skip_unless_available(device)
+    run, ref, out = _conv(device, split)
+    if device == "cpu":  # resfuse keeps no buffer for the interpreter: this test keeps one, to run the kernel's reset
+        kept = torch.zeros(split_k.KEPT_TICKETS, dtype=torch.int32)
+        monkeypatch.setattr(split_k, "_kept", lambda _device: kept)
+    else:
+        kept = split_k._kept(out.device)
+    for _ in range(3):
+        assert_close(run(), ref)
+        assert not kept.any(), "a split launch left a ticket drawn"
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
+def test_a_captured_graph_keeps_its_own_tickets():
+    """CudaGraphed's capture takes a buffer of its own (not the stream's, which a replay may run beside): replays
+    stay correct, the buffer stays at zero, and eager calls between the replays keep the stream's buffer at zero."""
+    skip_unless_available("cuda")
+    run, ref, out = _conv("cuda", 4)
+    graphed = CudaGraphed(lambda inputs: [run()])
+    x = torch.zeros(1, device="cuda")  # a copied input: the graph refreshes it, nothing reads it
+    for i in range(4):  # call 1 eager, call 2 captures, then replays
+        assert_close(graphed([x + i])[0], ref)
+        assert_close(run(), ref)  # eager, on the current stream
+    tickets = graphed.last.tickets
+    assert tickets is not None and not tickets.any()
+    assert not split_k._kept(out.device).any()
+
+
+def assert_close(out, ref):
+    """fp16 output against the float64 reference: the output's rounding and fp32 sums in another order."""
+    torch.testing.assert_close(out.double(), ref, rtol=2e-3, atol=2e-3)
