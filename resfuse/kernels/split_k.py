@@ -81,7 +81,8 @@ def _kept(device: torch.device) -> torch.Tensor | None:
 @contextlib.contextmanager
 def graph_tickets(device: torch.device):
     """Around the capture of a CUDA graph on `device` (entered first, before torch.cuda.graph): yields the
-    zeroed ticket buffer its split launches share, which the caller keeps as long as the graph."""
+    zeroed ticket buffer its split launches share. The caller must hold it as long as it replays the graph
+    (`with graph_tickets(d) as tickets, ...`): nothing else does, and a freed buffer's memory is reused."""
     tickets = torch.zeros(KEPT_TICKETS, dtype=torch.int32, device=device)
     outer, _CAPTURE.tickets = getattr(_CAPTURE, "tickets", None), tickets
     try:

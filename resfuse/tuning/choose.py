@@ -203,12 +203,13 @@ def _bench(fn, rep_s: float = 5e-3, retries: int = 5) -> float:
     with torch.cuda.stream(stream):
         fn()  # warm-up and lazy initialisation, outside any capture
         one = torch.cuda.CUDAGraph()
-        with graph_tickets(stream.device), torch.cuda.graph(one):  # split launches' tickets kept, as in a model
+        # split launches' tickets kept, as in a model; each graph's buffer is bound here, so it lives as the graph
+        with graph_tickets(stream.device) as one_tickets, torch.cuda.graph(one):
             fn()
         estimate = _replay_s(one, 3)
         n = max(1, min(100, int(rep_s / max(estimate, 1e-7))))
         many = torch.cuda.CUDAGraph()
-        with graph_tickets(stream.device), torch.cuda.graph(many):
+        with graph_tickets(stream.device) as many_tickets, torch.cuda.graph(many):
             for _ in range(n):
                 fn()
         times = sorted(_replay_s(many, 1) / n for _ in range(retries))
