@@ -67,3 +67,27 @@ def test_a_captured_graph_keeps_its_own_tickets():
 def assert_close(out, ref):
     """fp16 output against the float64 reference: the output's rounding and fp32 sums in another order."""
     torch.testing.assert_close(out.double(), ref, rtol=2e-3, atol=2e-3)
+
+
+def test_launches_of_other_sizes_share_one_kept_buffer(monkeypatch):
+    """A kept buffer serves plans of any tile count in turn (each takes its first `tiles` tickets), and a launch of
+    more tiles than it holds zeroes a buffer of its own (interpreter, the kept buffer given by the test)."""
+    skip_unless_available("cpu")
+    kept, asked = torch.zeros(split_k.KEPT_TICKETS, dtype=torch.int32), []
+    monkeypatch.setattr(split_k, "_kept", lambda device: asked.append(device) or kept)
+    small, small_ref, _ = _conv("cpu", 3)
+    torch.manual_seed(1)
+    a, b = torch.randn(70, 96).half(), (torch.randn(96, 40) / 10).half()
+    out = torch.empty(70, 40, dtype=torch.float16)
+
+    def gemm():  # 5 x 3 tiles of 16 x 16, split 4: more tickets than the conv's
+        out.fill_(float("nan"))
+        return launch.gemm(a, b, [], "relu(acc)", out, launch.GemmConfig(16, 16, 16, 2, 4, 4, 2))
+    for _ in range(2):
+        assert_close(small(), small_ref)
+        assert_close(gemm(), torch.relu(a.double() @ b.double()))
+        assert not kept.any()
+    assert len(asked) == 4  # every launch of both took its tickets from the kept buffer
+    monkeypatch.setattr(split_k, "KEPT_TICKETS", 4)  # now fewer than either launch's tiles: their own buffers
+    assert split_k.buffers(out, 15, 4, 16, 16)[1].data_ptr() != kept.data_ptr()
+    assert_close(gemm(), torch.relu(a.double() @ b.double()))
