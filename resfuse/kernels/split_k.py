@@ -14,7 +14,8 @@ tickets must start at zero, and zeroing a fresh buffer is a kernel of its own: a
 1.4-1.9 us of its 5-9 (BENCHMARKS.md, thirty-fourth session). Since every launch leaves its tickets at zero, a
 zeroed buffer is kept and reused instead:
   - per CUDA stream for launches outside a capture: a stream's launches run one after another (a programmatic
-    dependent launch waits for the kernel before it at its first statement), and two streams never share one;
+    dependent launch waits for the kernel before it at its first statement), and two streams never share one
+    (at most MAX_STREAMS buffers, the oldest dropped);
   - per captured graph, from `graph_tickets` around the capture: its launches replay in capture order, and the
     graph's owner keeps the buffer as long as the graph. A stream's buffer is not used there: a replay may run
     beside that stream's later launches.
@@ -32,7 +33,8 @@ import triton
 import triton.language as tl
 
 KEPT_TICKETS = 1 << 14  # tickets a kept buffer holds (64 KB): a split launch of more output tiles zeroes its own
-_STREAMS: dict = {}  # (device, stream handle) -> a kept buffer for launches outside a capture
+_STREAMS: dict = {}  # (device, stream handle) -> a kept buffer for launches outside a capture, oldest first
+MAX_STREAMS = 64  # kept buffers at most (torch's stream pools hold 32 a priority a device; external streams more)
 _CAPTURE = threading.local()  # .tickets: the buffer of the graph this thread is capturing (graph_tickets)
 
 
@@ -72,8 +74,15 @@ def _kept(device: torch.device) -> torch.Tensor | None:
         tickets = getattr(_CAPTURE, "tickets", None)
         return tickets if tickets is not None and tickets.device == device else None
     stream = torch.cuda.current_stream(device)
-    key = (stream.device, stream.cuda_stream)  # the device with its index: cuda and cuda:0 are one
+    return _stream_buffer((stream.device, stream.cuda_stream), device)  # with its index: cuda and cuda:0 are one
+
+
+def _stream_buffer(key: tuple, device: torch.device) -> torch.Tensor:
+    """The kept buffer of the stream `key`, made (zeroed) on first use; past MAX_STREAMS the oldest goes: the
+    allocator reuses its block for allocations on its own stream only, after the launches queued there."""
     if key not in _STREAMS:
+        if len(_STREAMS) >= MAX_STREAMS:
+            del _STREAMS[next(iter(_STREAMS))]
         _STREAMS[key] = torch.zeros(KEPT_TICKETS, dtype=torch.int32, device=device)
     return _STREAMS[key]
 
