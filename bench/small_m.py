@@ -3,7 +3,7 @@ alone against our conv kernel (no epilogue) at wider split-K factors than the he
 blocks a split, matmul.split_k_heuristic), to see whether splitting the reduction further pays at this size.
 
   python bench/small_m.py [--batch 1] [--cases "l4 3x3 512,..."] [--tiles 64x64,32x64,64x128] [--splits 1,4,8,16,32]
-                          [--tma] [--out DIR]
+                          [--tma] [--stages 1,2,3] [--warps 4,8] [--zeroed-tickets] [--out DIR]
 
 At batch 32 the same question for the 3x3 convs whose 128x128 tiles under-fill the 132 SMs (layers 3 and 4), and
 layer 1's 3x3 conv for scale: `--batch 32 --tiles 128x128,128x64,64x128,64x64 --splits 1,2,4,8 --tma` (the box
@@ -33,21 +33,12 @@ CASES = [("l4 3x3 512", 512, 512, 7, 3, 1), ("l4 1x1 2048>512", 2048, 512, 7, 1,
          ("l2 3x3 128", 128, 128, 28, 3, 1), ("l1 3x3 64", 64, 64, 56, 3, 1)]
 
 
-def keep_tickets():
-    """split_k.buffers with its tickets cut from one zeroed buffer, grown as needed (a probe: one stream only)."""
+def zeroed_tickets():
+    """Split launches as before the thirty-fourth session: each zeroes a fresh ticket buffer, a kernel of its own
+    (kernels/split_k.py now keeps a zeroed buffer per stream and per captured graph)."""
     from resfuse.kernels import split_k
 
-    kept = {}
-    made = split_k.buffers
-
-    def buffers(out, tiles, split, bm, bn):
-        if split == 1:
-            return made(out, tiles, split, bm, bn)
-        ws = torch.empty(tiles * split * bm * bn, dtype=torch.float32, device=out.device)
-        if kept.get(out.device) is None or kept[out.device].numel() < tiles:
-            kept[out.device] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=out.device)
-        return ws, kept[out.device][:tiles]
-    split_k.buffers = buffers
+    split_k._kept = lambda device: None
 
 
 def main():
@@ -59,13 +50,13 @@ def main():
     p.add_argument("--tma", action="store_true", help="TMA mainloops (tiles of 4 or 8 warps by size)")
     p.add_argument("--stages", help="comma list of num_stages to sweep (default: by tile size)")
     p.add_argument("--warps", help="comma list of num_warps to sweep (default: by tile size)")
-    p.add_argument("--kept-tickets", action="store_true",
-                   help="split-K's tickets from one zeroed buffer kept across launches (the kernel zeroes each "
-                        "ticket after use), not a buffer zeroed by a kernel each launch: what that launch costs")
+    p.add_argument("--zeroed-tickets", action="store_true",
+                   help="each split launch zeroes a fresh ticket buffer, as before kept tickets (split_k.py): "
+                        "what that launch costs")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
-    if args.kept_tickets:
-        keep_tickets()
+    if args.zeroed_tickets:
+        zeroed_tickets()
     tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
     def ints(text):
         return [int(v) for v in text.split(",")] if text else [None]
