@@ -216,6 +216,22 @@ def test_training_steps_under_graph_trees_match_eager():
     assert PATHS[("batch_norm_backward", "", "triton")] > 0  # graphed with our batch-norm backward kernel
 
 
+@pytest.mark.requires_cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
+def test_split_launches_under_graph_trees_match_eager():
+    """Every Triton conv and GEMM split in two (Config.split_k), so their tickets are taken during the graph trees'
+    warm-up (kept per stream, allocated outside the trees' pool: kernels/split_k.py) and capture (a zeroed buffer
+    a launch), then replayed: the steps still track eager's."""
+    from resfuse import kernels
+    from resfuse.kernels import split_k
+
+    try:
+        _train_against_eager(None, 1e-3, split_k=2)
+    finally:
+        kernels.set_options(split_k=None)  # the compile set it process-wide
+    assert split_k._STREAMS and not any(t.any() for t in split_k._STREAMS.values())
+
+
 def _fake_cuda_graph(fn):
     """fn traced on two fake CUDA tensors (no GPU needed), with the 'val' metadata aot_autograd's graphs carry."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -329,17 +345,17 @@ def test_fp16_training_steps_take_the_statistics_from_the_conv():
         assert PATHS[("conv2d_stats", "", "cudnn")] > 0, (PATHS, compiled.resfuse_report.rejected)
 
 
-def _train_against_eager(autocast, tol):
+def _train_against_eager(autocast, tol, **options):
     """Four SGD steps on fresh batches through Block eagerly and through resfuse with CUDA graph trees (under
-    autocast to `autocast` if given): losses, weights and running stats must agree to `tol`. Returns the compiled
-    module."""
+    autocast to `autocast` if given; other Config `options`): losses, weights and running stats must agree to
+    `tol`. Returns the compiled module."""
     import copy
 
     torch.manual_seed(0)
     eager = Block().cuda().to(memory_format=torch.channels_last).train()
     mine = copy.deepcopy(eager)
     torch._dynamo.reset()
-    compiled = resfuse.compile(mine, cuda_graphs=True, tuning="none")
+    compiled = resfuse.compile(mine, **{"cuda_graphs": True, "tuning": "none", **options})
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (eager, mine)]
     for _ in range(4):
         x = torch.randn(4, 8, 9, 7, device="cuda").to(memory_format=torch.channels_last)

@@ -93,16 +93,19 @@ def test_launches_of_other_sizes_share_one_kept_buffer(monkeypatch):
     assert_close(gemm(), torch.relu(a.double() @ b.double()))
 
 
-def test_kept_stream_buffers_are_made_zeroed_once_and_bounded(monkeypatch):
-    """One buffer a stream, made zeroed on first use and the same object after; past MAX_STREAMS streams the oldest
-    goes (CPU tensors stand in for the device's; the keys for streams)."""
+def test_kept_stream_buffers_are_made_once_and_bounded(monkeypatch):
+    """One buffer a stream, made on first use and the same object after; past MAX_STREAMS streams the oldest goes
+    (CPU tensors stand in for the device's, the keys for streams)."""
     monkeypatch.setattr(split_k, "_STREAMS", {})
     monkeypatch.setattr(split_k, "MAX_STREAMS", 3)
-    cpu = torch.device("cpu")
-    first = split_k._stream_buffer(("dev", 1), cpu)
-    assert first.dtype == torch.int32 and first.numel() == split_k.KEPT_TICKETS and not first.any()
-    assert split_k._stream_buffer(("dev", 1), cpu) is first
+    made = []
+
+    def make():
+        made.append(torch.zeros(split_k.KEPT_TICKETS, dtype=torch.int32))
+        return made[-1]
+    first = split_k._stream_buffer(("dev", 1), make)
+    assert split_k._stream_buffer(("dev", 1), make) is first and len(made) == 1
     for stream in (2, 3, 4):
-        split_k._stream_buffer(("dev", stream), cpu)
+        split_k._stream_buffer(("dev", stream), make)
     assert list(split_k._STREAMS) == [("dev", 2), ("dev", 3), ("dev", 4)]
-    assert split_k._stream_buffer(("dev", 1), cpu) is not first
+    assert split_k._stream_buffer(("dev", 1), make) is not first and len(made) == 5

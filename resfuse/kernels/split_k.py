@@ -15,7 +15,8 @@ tickets must start at zero, and zeroing a fresh buffer is a kernel of its own: a
 zeroed buffer is kept and reused instead:
   - per CUDA stream for launches outside a capture: a stream's launches run one after another (a programmatic
     dependent launch waits for the kernel before it at its first statement), and two streams never share one
-    (at most MAX_STREAMS buffers, the oldest dropped);
+    (at most MAX_STREAMS buffers, the oldest dropped). Each is allocated on the default stream, outside any
+    graph pool (`_zeroed_for`);
   - per captured graph, from `graph_tickets` around the capture: its launches replay in capture order, and the
     graph's owner keeps the buffer as long as the graph. A stream's buffer is not used there: a replay may run
     beside that stream's later launches.
@@ -74,17 +75,30 @@ def _kept(device: torch.device) -> torch.Tensor | None:
         tickets = getattr(_CAPTURE, "tickets", None)
         return tickets if tickets is not None and tickets.device == device else None
     stream = torch.cuda.current_stream(device)
-    return _stream_buffer((stream.device, stream.cuda_stream), device)  # with its index: cuda and cuda:0 are one
+    # keyed by the device with its index (cuda and cuda:0 are one) and the stream
+    return _stream_buffer((stream.device, stream.cuda_stream), lambda: _zeroed_for(stream))
 
 
-def _stream_buffer(key: tuple, device: torch.device) -> torch.Tensor:
-    """The kept buffer of the stream `key`, made (zeroed) on first use; past MAX_STREAMS the oldest goes: the
-    allocator reuses its block for allocations on its own stream only, after the launches queued there."""
+def _stream_buffer(key: tuple, make) -> torch.Tensor:
+    """The kept buffer of the stream `key`, `make()` on first use; past MAX_STREAMS the oldest goes."""
     if key not in _STREAMS:
         if len(_STREAMS) >= MAX_STREAMS:
             del _STREAMS[next(iter(_STREAMS))]
-        _STREAMS[key] = torch.zeros(KEPT_TICKETS, dtype=torch.int32, device=device)
+        _STREAMS[key] = make()
     return _STREAMS[key]
+
+
+def _zeroed_for(stream: torch.cuda.Stream) -> torch.Tensor:
+    """A zeroed ticket buffer for `stream`'s launches, allocated and zeroed on the device's default stream: outside
+    the private pool that torch's CUDA graph trees route `stream`'s allocations to during their warm-up runs (they
+    checkpoint and reset that pool's state, which a kept buffer must not be part of). `stream` waits for the
+    zeroing, and the allocator waits for `stream`'s work before it reuses the block (a dropped buffer)."""
+    default = torch.cuda.default_stream(stream.device)
+    with torch.cuda.stream(default):
+        tickets = torch.zeros(KEPT_TICKETS, dtype=torch.int32, device=stream.device)
+    stream.wait_stream(default)
+    tickets.record_stream(stream)
+    return tickets
 
 
 @contextlib.contextmanager
