@@ -215,24 +215,28 @@ def few_rows_config(p: ConvProblem, tma: bool) -> ConvConfig:
     under-fill the GPU: at batch 1, layer 4's 3x3 conv took 7.4 us so (split 8) and layer 3's 6.7 (split 4),
     against cuDNN's 11.4 and 7.7 and 8.8-10.8 for the other tiles (H100, bench/small_m.py, BENCHMARKS.md
     thirty-fourth session). tma: the conv is a GEMM that the TMA mainloop reads (a 1x1 conv)."""
-    bk, flat, red_blocks = _reduction(p)
-    cfg = ConvConfig(32, 64, bk, 8, 1, flat, 4, 3, tma=tma and not flat)
-    return dataclasses.replace(cfg, split_k=split_k_heuristic(tiles(cfg, p), red_blocks, p.sms))
+    bk, flat = _reduction_block(p)
+    return _split(ConvConfig(32, 64, bk, 8, 1, flat, 4, 3, tma=tma and not flat), p)
 
 
-def _reduction(p: ConvProblem) -> tuple[int, bool, int]:
-    """(block_k, flat, reduction blocks): FLAT for a few channels (the RGB stem), one index over (r, s, c)."""
+def _reduction_block(p: ConvProblem) -> tuple[int, bool]:
+    """(block_k, flat): FLAT for a few channels (the RGB stem), one reduction index over (r, s, c)."""
     flat = p.c < 16
-    bk = 16 if (p.c <= 16 and not flat) else 32 if (p.c <= 32 or p.dtype_bytes == 4 or flat) else 64
-    return bk, flat, p.r * p.s * triton.cdiv(p.c, bk) if not flat else triton.cdiv(p.r * p.s * p.c, bk)
+    return 16 if (p.c <= 16 and not flat) else 32 if (p.c <= 32 or p.dtype_bytes == 4 or flat) else 64, flat
+
+
+def _split(cfg: ConvConfig, p: ConvProblem) -> ConvConfig:
+    """cfg split by the heuristic's rule (matmul.split_k_heuristic) for its own count of tiles."""
+    red_blocks = (triton.cdiv(p.r * p.s * p.c, cfg.block_k) if cfg.flat
+                  else p.r * p.s * triton.cdiv(p.c, cfg.block_k))
+    return dataclasses.replace(cfg, split_k=split_k_heuristic(tiles(cfg, p), red_blocks, p.sms))
 
 
 def default_config(p: ConvProblem) -> ConvConfig:
     small = p.m * p.k <= 64 * 64
     bm = 32 if p.m <= 32 else 64 if (p.m <= 64 or small) else 128
     bn = 32 if p.k <= 32 else 64 if (p.k <= 64 or small) else 128
-    bk, flat, red_blocks = _reduction(p)
+    bk, flat = _reduction_block(p)
     warps = 8 if bm * bn >= 128 * 128 else 4
     stages = 3 if bm * bn >= 128 * 128 else 4
-    split = split_k_heuristic(triton.cdiv(p.m, bm) * triton.cdiv(p.k, bn), red_blocks, p.sms)
-    return ConvConfig(bm, bn, bk, 8, split, flat, warps, stages)
+    return _split(ConvConfig(bm, bn, bk, 8, 1, flat, warps, stages), p)
