@@ -112,10 +112,11 @@ def test_kept_stream_buffers_are_made_once_and_bounded(monkeypatch):
 
 
 def test_a_streams_kept_buffer_is_zeroed_on_split_ks_own_stream(monkeypatch):
-    """_zeroed_for allocates and zeroes inside a stream of its own (not the launch's stream, whose allocations graph
-    trees may route to their pool), then makes the launch's stream wait and records the buffer's use there. CUDA's
-    streams are faked (CPU tensors), as in tests/test_cuda_graphs.py."""
+    """_zeroed_for allocates and zeroes on a thread and inside a stream of its own (not the launch's thread, whose
+    allocations graph trees may route to their pool), then makes the launch's stream wait and records the buffer's
+    use there. CUDA's streams are faked (CPU tensors), as in tests/test_cuda_graphs.py."""
     import contextlib
+    import threading
 
     log, current = [], []
 
@@ -135,17 +136,17 @@ def test_a_streams_kept_buffer_is_zeroed_on_split_ks_own_stream(monkeypatch):
     made = torch.zeros
 
     def zeros(*args, **kwargs):
-        log.append(("zeros", current[-1] if current else None))
+        log.append(("zeros", current[-1] if current else None, threading.get_ident() != caller))
         return made(*args, **kwargs)
     monkeypatch.setattr(torch.cuda, "Stream", Stream)
     monkeypatch.setattr(torch.cuda, "stream", stream)
     monkeypatch.setattr(torch, "zeros", zeros)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: log.append(("record", s)), raising=False)
     monkeypatch.setattr(split_k, "_ALLOC_STREAMS", {})
-    launch_stream = Stream()
+    launch_stream, caller = Stream(), threading.get_ident()
     tickets = split_k._zeroed_for(launch_stream)
     own = split_k._ALLOC_STREAMS[torch.device("cpu")]
     assert own is not launch_stream and not tickets.any() and tickets.numel() == split_k.KEPT_TICKETS
-    assert log == [("zeros", own), ("wait", launch_stream, own), ("record", launch_stream)]
+    assert log == [("zeros", own, True), ("wait", launch_stream, own), ("record", launch_stream)]
     split_k._zeroed_for(Stream())
     assert split_k._ALLOC_STREAMS == {torch.device("cpu"): own}  # one own stream a device

@@ -15,8 +15,8 @@ tickets must start at zero, and zeroing a fresh buffer is a kernel of its own: a
 zeroed buffer is kept and reused instead:
   - per CUDA stream for launches outside a capture: a stream's launches run one after another (a programmatic
     dependent launch waits for the kernel before it at its first statement), and two streams never share one
-    (at most MAX_STREAMS buffers, the oldest dropped). Each is allocated on a stream of split_k's own, outside
-    any graph pool (`_zeroed_for`);
+    (at most MAX_STREAMS buffers, the oldest dropped). Each is allocated on a thread and a stream of split_k's
+    own, outside any graph pool (`_zeroed_for`);
   - per captured graph, from `graph_tickets` around the capture: its launches replay in capture order, and the
     graph's owner keeps the buffer as long as the graph. A stream's buffer is not used there: a replay may run
     beside that stream's later launches.
@@ -26,6 +26,7 @@ outlive the graph's own tensors (graph trees refuse that).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import threading
 
@@ -37,6 +38,7 @@ KEPT_TICKETS = 1 << 14  # tickets a kept buffer holds (64 KB): a split launch of
 _STREAMS: dict = {}  # (device, stream handle) -> a kept buffer for launches outside a capture, oldest first
 MAX_STREAMS = 64  # kept buffers at most (torch's stream pools hold 32 a priority a device; external streams more)
 _ALLOC_STREAMS: dict = {}  # device -> the stream its kept buffers are allocated and zeroed on (_zeroed_for)
+_ALLOCATOR = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="resfuse-split-k")  # ... on this thread
 _CAPTURE = threading.local()  # .tickets: the buffer of the graph this thread is capturing (graph_tickets)
 
 
@@ -90,16 +92,20 @@ def _stream_buffer(key: tuple, make) -> torch.Tensor:
 
 
 def _zeroed_for(stream: torch.cuda.Stream) -> torch.Tensor:
-    """A zeroed ticket buffer for `stream`'s launches, allocated and zeroed on a stream of split_k's own: outside
-    the private pool that torch's CUDA graph trees route `stream`'s allocations to during their warm-up runs (they
-    checkpoint and reset that pool's state, which a kept buffer must not be part of), and off the legacy default
-    stream, which synchronises with every other. `stream` waits for the zeroing, and the allocator waits for
-    `stream`'s work before it reuses the block (a dropped buffer)."""
+    """A zeroed ticket buffer for `stream`'s launches, allocated and zeroed outside the private pool that torch's CUDA
+    graph trees route the warm-up thread's allocations to (they check that pool for live tensors they do not track,
+    which a kept buffer would be): on a thread of split_k's own (the routing is per thread, whatever the stream),
+    and there on a stream of its own (off the legacy default stream, which synchronises with every other).
+    `stream` waits for the zeroing, and the allocator waits for `stream`'s work before it reuses the block (a
+    dropped buffer)."""
     if stream.device not in _ALLOC_STREAMS:
         _ALLOC_STREAMS[stream.device] = torch.cuda.Stream(stream.device)
     own = _ALLOC_STREAMS[stream.device]
-    with torch.cuda.stream(own):
-        tickets = torch.zeros(KEPT_TICKETS, dtype=torch.int32, device=stream.device)
+
+    def zeroed():
+        with torch.cuda.stream(own):
+            return torch.zeros(KEPT_TICKETS, dtype=torch.int32, device=stream.device)
+    tickets = _ALLOCATOR.submit(zeroed).result()
     stream.wait_stream(own)
     tickets.record_stream(stream)
     return tickets
