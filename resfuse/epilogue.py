@@ -109,7 +109,8 @@ def _bn_tl(x: str, scale: str, m: str, b: str) -> str:
 class OpSpec:
     arity: int
     ref: Callable  # (*tensors, *params) -> tensor
-    tl: Callable  # (*source strings, *params) -> source string
+    tl: Callable  # (*source strings, *params) -> source string; typed: (*source strings, *params, out_ty)
+    typed: bool = False  # tl also takes the stored value's element type (source), which sets its precision
 
 
 OPS: dict[str, OpSpec] = {
@@ -120,7 +121,7 @@ OPS: dict[str, OpSpec] = {
     "relu": OpSpec(1, torch.relu, lambda x: _clamp_tl(x, 0.0, math.inf)),
     "clamp": OpSpec(1, lambda x, lo, hi: torch.clamp(x, lo, hi), _clamp_tl),
     "leaky_relu": OpSpec(1, lambda x, a: F.leaky_relu(x, a), lambda x, a: f"tl.where({x} > 0.0, {x}, {x} * {a!r})"),
-    "gelu": OpSpec(1, F.gelu, lambda x: f"gelu_erf({x})"),  # kernels/activations.py
+    "gelu": OpSpec(1, F.gelu, lambda x, ty: f"gelu_erf({x}, {ty})", typed=True),  # kernels/activations.py
     "gelu_tanh": OpSpec(1, lambda x: F.gelu(x, approximate="tanh"),
                         lambda x: f"(0.5 * {x} * (1.0 + {_tanh_tl(f'(0.7978845608028654 * ({x} + 0.044715 * {x} * {x} * {x}))')}))"),
     "silu": OpSpec(1, F.silu, lambda x: f"({x} / (1.0 + tl.exp(-{x})))"),
@@ -381,7 +382,7 @@ def triton_params(tree: Node, prefix: str = "") -> list[str]:
 
 
 def triton_body(tree: Node, out: str = "y", tma_slots: tuple[int, ...] = (), prefix: str = "",
-                given: dict[int, str] | None = None) -> str:
+                given: dict[int, str] | None = None, out_ty: str = "tl.float32") -> str:
     """Source that loads the operands and assigns the epilogue value to `out` (and an aux node's to `aux_y`).
 
     It expects in scope: `acc` [BM, BC] fp32, `offs_c` [BC], `mask_c` [BC], `s_idx` and `p_idx` [BM] (the
@@ -391,6 +392,8 @@ def triton_body(tree: Node, out: str = "y", tma_slots: tuple[int, ...] = (), pre
     (parameters, as triton_params gives them) and defines (operand values, temporaries) start with `prefix`.
     An operand whose slot is in `given` is not loaded: its fp32 value is that expression, already in scope (its
     parameters are still taken, unread: kernels/shortcut.py computes a residual in the same kernel).
+    `out_ty` is the element type (source) the value is stored or rounded to: the typed ops (GELU) compute to its
+    precision, fp32's by default.
     """
     lines = []
     op, v = f"{prefix}op", f"{prefix}v"
@@ -420,7 +423,8 @@ def triton_body(tree: Node, out: str = "y", tma_slots: tuple[int, ...] = (), pre
             lines.append(f"aux_y = {ev(n.args[0])}")
             return "aux_y"
         if n not in names:
-            expr = OPS[n.name].tl(*[ev(a) for a in n.args], *n.params)
+            spec = OPS[n.name]
+            expr = spec.tl(*[ev(a) for a in n.args], *n.params, *[out_ty] * spec.typed)
             names[n] = f"{prefix}t{len(names)}"
             lines.append(f"{names[n]} = {expr}")
         return names[n]

@@ -1,7 +1,7 @@
 """@triton.jit activation helpers that the generated epilogues call by name (epilogue.py's op table emits the
 call; codegen.py imports every name in HELPERS into each generated kernel's module).
 
-Entry points: `gelu_erf(x)`, `sum_rows(t)`.
+Entry points: `gelu_erf(x, OUT)`, `sum_rows(t)`.
 """
 from __future__ import annotations
 
@@ -20,31 +20,43 @@ def sum_rows(t):
 
 
 @triton.jit
-def gelu_erf(x):
-    """Exact (erf) GELU, x * Phi(x), with Phi(-|x|) = erfc(|x| / sqrt 2) / 2 from the Chebyshev fit in
-    Numerical Recipes (erfcc): erfc(z) = t * exp(-z^2 + P(t)), t = 1 / (1 + z / 2), relative error below
-    1.2e-7 for every z >= 0. GELU's arithmetic bounds a GEMM epilogue over a wide output (ConvNeXt's pointwise
-    layers, BERT's FFN) and the epilogue pass after cuBLAS, so it is written for the fewest instructions (27 a
-    value on sm_90 against 32 for the same fit through tl.exp and a division, and more for libdevice's erff):
+def gelu_erf(x, OUT: tl.constexpr):
+    """Exact (erf) GELU, x * Phi(x), with Phi(-|x|) = erfc(|x| / sqrt 2) / 2 from erfc(z) = t * exp(-z^2 + P(t)),
+    t = 1 / (1 + z / 2), P a polynomial, for a value stored as OUT (the output's element type):
+    - OUT fp32: P is the Chebyshev fit of Numerical Recipes' erfcc, degree 9, relative error below 1.2e-7 for every
+      z >= 0;
+    - OUT fp16 or bf16: P is a degree-5 fit (tests/test_gelu.py checks it), GELU's relative error below
+      1.1e-5 for x >= -19 (Phi underflows fp32 below that); an fp16 result's rounding alone is up to 4.9e-4, so at
+      most a few values in a hundred round to the neighbouring fp16 number, as a different summation order in the
+      GEMM would make them do. It takes 21 sm_90 instructions a value, against 27.
+    GELU's arithmetic bounds a GEMM epilogue over a wide output (ConvNeXt's pointwise layers, BERT's FFN) and the
+    epilogue pass after cuBLAS, so it is written for the fewest instructions (27 a value for the degree-9 fit, against
+    32 for the same fit through tl.exp and a division, and more for libdevice's erff):
     - P's coefficients are scaled by log2(e), with log2 of erfc's factor 1/2 in the constant term, so the
       exponential is one ex2 (tl.exp2, ex2.approx.ftz: no multiply by log2(e), no denormal fix-ups);
-    - t is rsqrt(y)^2 and one Newton step, a single MUFU op where the division (div.full) costs several; the
-      Newton step restores the reciprocal to fp32's precision (rsqrt's square alone is good to 3e-7). |x| is
-      clamped at 1e4 for y only, where Phi is 0 or 1 in fp32 already, so y * t is never inf * 0: +inf still
-      gives inf and -inf NaN, as eager's CUDA kernel does.
+    - t is rsqrt(y)^2, a single MUFU op where the division (div.full) costs several, good to 3e-7; for fp32 one
+      Newton step restores the reciprocal to fp32's precision. |x| is clamped at 1e4 for y only, where Phi is 0 or 1
+      in fp32 already, so y * t is never inf * 0: +inf still gives inf and -inf NaN, as eager's CUDA kernel does.
     Where eager's 1 + erf(x) cancels (x below about -3) it keeps Phi's relative error small."""
     y = 1.0 + 0.3535533905932738 * tl.minimum(tl.abs(x), 1e4)
     r = tl.math.rsqrt(y)
     t = r * r
-    t = t + t * (1.0 - y * t)
-    p = 0.246517298 * t - 1.18611495
-    p = p * t + 2.14747446
-    p = p * t - 1.63775315
-    p = p * t + 0.402321582
-    p = p * t - 0.26875686
-    p = p * t + 0.139630057
-    p = p * t + 0.539700616
-    p = p * t + 1.4427292
-    p = p * t - 2.82574822
+    if OUT.primitive_bitwidth > 16:
+        t = t + t * (1.0 - y * t)
+        p = 0.246517298 * t - 1.18611495
+        p = p * t + 2.14747446
+        p = p * t - 1.63775315
+        p = p * t + 0.402321582
+        p = p * t - 0.26875686
+        p = p * t + 0.139630057
+        p = p * t + 0.539700616
+        p = p * t + 1.4427292
+        p = p * t - 2.82574822
+    else:
+        p = 0.322295958 * t - 1.00089942
+        p = p * t + 0.660561107
+        p = p * t + 0.379135655
+        p = p * t + 1.46589975
+        p = p * t - 2.82700056
     half_erfc = t * tl.exp2(p - 0.7213475204444817 * x * x)
     return x * tl.where(x >= 0.0, 1.0 - half_erfc, half_erfc)

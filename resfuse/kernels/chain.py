@@ -111,8 +111,8 @@ def source(signature1: str, signature2: str, slots1: tuple, slots2: tuple) -> st
     params = ["a_desc", "w1_desc", "w2_desc", "y_desc", "z_desc", "M", "P", "TILES",
               *epi.triton_params(tree1, "e1_"), *epi.triton_params(tree2, "e2_"),
               *[f"{c}: tl.constexpr" for c in ("K1", "N1", "N2", "BM", "BN1", "PRECISION", "PDL")]]
-    body1 = epi.triton_body(tree1, "y_val", slots1, "e1_")
-    body2 = epi.triton_body(tree2, "z_val", slots2, "e2_")
+    body1 = epi.triton_body(tree1, "y_val", slots1, "e1_", out_ty="a.dtype")
+    body2 = epi.triton_body(tree2, "z_val", slots2, "e2_", out_ty="a.dtype")
 
     param_lines = "\n".join(f"    {p}," for p in params)
 

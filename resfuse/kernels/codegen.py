@@ -111,7 +111,7 @@ if SPLIT_K > 1:
     mask = mask & last
     stat_ok = stat_ok & last
 # epilogue: {signature}
-{epi.triton_body(tree, out="y", tma_slots=tma_slots)}
+{epi.triton_body(tree, out="y", tma_slots=tma_slots, out_ty=out_ty)}
 {store}
 {aux_store}
 {stats_store}"""

@@ -119,11 +119,12 @@ def source(signature1: str, signature2: str | None, slot: int | None) -> str:
               *epi.triton_params(tree1, "e1_"), *([] if tree2 is None else epi.triton_params(tree2, "e2_")),
               *[f"{c}: tl.constexpr" for c in ("K1", "K2", "BM", "BN", "BK", "GROUP_M", "OUT_TMA", "PRECISION",
                                                   "PDL")]]
-    body1 = epi.triton_body(tree1, "z_val", prefix="e1_", given=None if tree2 is None else {slot: "r.to(tl.float32)"})
+    body1 = epi.triton_body(tree1, "z_val", prefix="e1_", given=None if tree2 is None else {slot: "r.to(tl.float32)"},
+                            out_ty="y_desc.dtype")
     between = "    # the sum form: the main conv's reduction goes on in the same accumulator\n"
     if tree2 is not None:
         between = f"""    # epilogue 2: {signature2}
-{textwrap.indent(epi.triton_body(tree2, "r_val", prefix="e2_"), " " * 4)}
+{textwrap.indent(epi.triton_body(tree2, "r_val", prefix="e2_", out_ty="y_desc.dtype"), " " * 4)}
     r = r_val.to(y_desc.dtype)  # rounded as the shortcut's output would have been stored (the inputs' dtype)
     acc = tl.full([BM, BN], 0.0, tl.float32)
 """
