@@ -62,8 +62,8 @@ def test_gelu_erf_matches_float64_value_by_value(device):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_gelu_rounds_as_the_exact_value_does_but_for_a_few_neighbours(device, dtype):
     """Stored as fp16 or bf16, every value is the float64 value rounded to that dtype or one of its two neighbours,
-    and for fp16 at most 2% are a neighbour (the fit's 1.1e-5 against the dtype's spacing of 1e-3 or 8e-3); specials as
-    eager's; below 1e-37 (bf16 only) within 1e-37."""
+    and at most 2% are a neighbour (the fit's 1.1e-5 against the dtype's spacing of 1e-3 or 8e-3; bf16 on a GPU
+    only); specials as eager's; below 1e-37 (bf16 only) within 1e-37."""
     skip_unless_available(device)
     got, exact = _gelu(_inputs(), dtype, device)
     nan = exact.isnan()
@@ -74,5 +74,5 @@ def test_half_gelu_rounds_as_the_exact_value_does_but_for_a_few_neighbours(devic
     ok = (got == rounded.double()) | (got == up) | (got == down) | (got.isinf() & (got == exact))
     ok |= (exact.abs() <= 1e-37) & ((got - exact).abs() <= 1e-37)  # bf16's range: fp32's subnormals, as above
     assert ok.all(), f"x's GELU {exact[~ok][:5].tolist()} stored as {got[~ok][:5].tolist()}"
-    if dtype == torch.float16:  # the interpreter truncates fp32 to bf16 (the GPU rounds to nearest): half differ
+    if dtype == torch.float16 or device == "cuda":  # the interpreter truncates fp32 to bf16: half would differ
         assert (got != rounded.double()).double().mean() <= 0.02
