@@ -28,7 +28,7 @@ def gelu_erf(x, OUT: tl.constexpr):
     - OUT fp16 or bf16: P is a degree-5 fit (tests/test_gelu.py checks it), GELU's relative error below
       1.1e-5 for x >= -19 (Phi underflows fp32 below that); an fp16 result's rounding alone is up to 4.9e-4, so at
       most a few values in a hundred round to the neighbouring fp16 number, as a different summation order in the
-      GEMM would make them do. It takes 18 sm_90 instructions a value, against the degree-9 fit's 24
+      GEMM would make them do. It takes 17 sm_90 instructions a value, against the degree-9 fit's 24
       (`python bench/gelu_sass.py`).
     GELU's arithmetic bounds a GEMM epilogue over a wide output (ConvNeXt's pointwise layers, BERT's FFN) and the
     epilogue pass after cuBLAS, so it is written for the fewest instructions (the degree-9 fit through tl.exp and a
@@ -36,13 +36,14 @@ def gelu_erf(x, OUT: tl.constexpr):
     - P's coefficients are scaled by log2(e), with log2 of erfc's factor 1/2 in the constant term, so the
       exponential is one ex2 (tl.exp2, ex2.approx.ftz: no multiply by log2(e), no denormal fix-ups);
     - t is rsqrt(y)^2, a single MUFU op where the division (div.full) costs several, good to 3e-7; for fp32 one
-      Newton step restores the reciprocal to fp32's precision. |x| is clamped at 1e4 for y only, where Phi is 0 or 1
-      in fp32 already, so y * t is never inf * 0: +inf still gives inf and -inf NaN, as eager's CUDA kernel does.
+      Newton step restores the reciprocal to fp32's precision, with |x| clamped at 1e4 for y only (Phi is 0 or 1
+      in fp32 there already), so that y * t is never inf * 0. Either way +inf gives inf and -inf NaN, as eager's CUDA
+      kernel does.
     Where eager's 1 + erf(x) cancels (x below about -3) it keeps Phi's relative error small."""
-    y = 1.0 + 0.3535533905932738 * tl.minimum(tl.abs(x), 1e4)
-    r = tl.math.rsqrt(y)
-    t = r * r
     if OUT.primitive_bitwidth > 16:
+        y = 1.0 + 0.3535533905932738 * tl.minimum(tl.abs(x), 1e4)
+        r = tl.math.rsqrt(y)
+        t = r * r
         t = t + t * (1.0 - y * t)
         p = 0.246517298 * t - 1.18611495
         p = p * t + 2.14747446
@@ -53,7 +54,9 @@ def gelu_erf(x, OUT: tl.constexpr):
         p = p * t + 0.539700616
         p = p * t + 1.4427292
         p = p * t - 2.82574822
-    else:
+    else:  # no Newton step, so no clamp: t = 0 at |x| = inf
+        r = tl.math.rsqrt(1.0 + 0.3535533905932738 * tl.abs(x))
+        t = r * r
         p = 0.322295958 * t - 1.00089942
         p = p * t + 0.660561107
         p = p * t + 0.379135655
