@@ -111,6 +111,9 @@ class OpSpec:
     ref: Callable  # (*tensors, *params) -> tensor
     tl: Callable  # (*source strings, *params) -> source string; typed: (*source strings, *params, out_ty)
     typed: bool = False  # tl also takes the stored value's element type (source), which sets its precision
+    # bumped when the op's Triton code changes speed: the tuner measures again the epilogues that hold it, and only
+    # those (tuning/choose.key; codegen.TEMPLATE_VERSION re-tunes everything)
+    version: int = 0
 
 
 OPS: dict[str, OpSpec] = {
@@ -121,7 +124,8 @@ OPS: dict[str, OpSpec] = {
     "relu": OpSpec(1, torch.relu, lambda x: _clamp_tl(x, 0.0, math.inf)),
     "clamp": OpSpec(1, lambda x, lo, hi: torch.clamp(x, lo, hi), _clamp_tl),
     "leaky_relu": OpSpec(1, lambda x, a: F.leaky_relu(x, a), lambda x, a: f"tl.where({x} > 0.0, {x}, {x} * {a!r})"),
-    "gelu": OpSpec(1, F.gelu, lambda x, ty: f"gelu_erf({x}, {ty})", typed=True),  # kernels/activations.py
+    # 1: a shorter fit for fp16/bf16 outputs
+    "gelu": OpSpec(1, F.gelu, lambda x, ty: f"gelu_erf({x}, {ty})", typed=True, version=1),  # kernels/activations.py
     "gelu_tanh": OpSpec(1, lambda x: F.gelu(x, approximate="tanh"),
                         lambda x: f"(0.5 * {x} * (1.0 + {_tanh_tl(f'(0.7978845608028654 * ({x} + 0.044715 * {x} * {x} * {x}))')}))"),
     "silu": OpSpec(1, F.silu, lambda x: f"({x} / (1.0 + tl.exp(-{x})))"),
@@ -154,6 +158,13 @@ OPS: dict[str, OpSpec] = {
                         lambda x, m, s, t: f"(({x} - {m}) * {s} + {t})"),
 }
 BINARY = frozenset(n for n, s in OPS.items() if s.arity == 2)
+
+
+def op_versions(signature: str) -> str:
+    """The versioned ops in a signature (or in a pair's 'sig1;sig2') with their versions, '' when none: part of
+    a tuning key."""
+    ops = sorted({m.group(1) for m in re.finditer(r"([a-z_0-9]+)[(\[]", signature)})
+    return "".join(f"+{name}{OPS[name].version}" for name in ops if name in OPS and OPS[name].version)
 
 
 # ---- structure --------------------------------------------------------------------------------------------

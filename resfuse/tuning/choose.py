@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .. import providers
+from .. import epilogue as epi, providers
 from ..kernels import codegen
 from ..ops.fused import Output
 from . import precompile, select, space
@@ -93,7 +93,7 @@ def _cache() -> TuningCache:
 
 def key(call: Call) -> Key:
     tensors, out = [*call.inputs, *call.operands], call.out
-    gpu, sms, versions = environment(out.device, str(codegen.TEMPLATE_VERSION))
+    gpu, sms, versions = environment(out.device, f"{codegen.TEMPLATE_VERSION}{epi.op_versions(call.signature)}")
     flat = tuple(tuple(x) if isinstance(x, (list, tuple)) else x for x in call.params)
     return Key(call.op, (*[tuple(t.shape) for t in call.inputs], flat),
                (*[str(t.dtype) for t in tensors], str(out.dtype)),

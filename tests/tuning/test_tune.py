@@ -240,3 +240,19 @@ def test_tma_gemm_candidates_carry_a_bulk_store_variant_that_computes_the_op():
     torch.testing.assert_close(out.double(), torch.relu(a.double() @ w.double().t()), rtol=2e-3, atol=2e-3)
     assert ("gemm_tma", "relu(acc)|out") in kernels.codegen._LOADED or \
         ("gemm_tma_persistent", "relu(acc)|out") in kernels.codegen._LOADED  # the bulk-store kernel ran
+
+
+def test_a_versioned_op_keys_again_only_the_epilogues_that_hold_it(monkeypatch):
+    """Bumping an op's version (epilogue.OpSpec.version) changes the tuning key of every epilogue with the op, a
+    pair's second one too, and of no other: only those are measured again."""
+    import dataclasses
+
+    from resfuse import epilogue as epi
+
+    def call(signature):
+        return dataclasses.replace(conv_call(), signature=signature)
+    sigs = ["gelu(add(acc,c0))", f"{SIG};gelu(acc)", SIG, "gelu_tanh(acc)"]
+    before = [ch.key(call(s)) for s in sigs]
+    monkeypatch.setitem(epi.OPS, "gelu", dataclasses.replace(epi.OPS["gelu"], version=epi.OPS["gelu"].version + 1))
+    after = [ch.key(call(s)) for s in sigs]
+    assert [b != a for b, a in zip(before, after)] == [True, True, False, False]
