@@ -28,9 +28,12 @@ from resfuse import kernels  # noqa: E402
 from resfuse.kernels.conv2d_fprop import ConvConfig  # noqa: E402
 from resfuse.tuning.choose import _bench  # noqa: E402
 
-# (name, C, K, side, filter, stride): layer 4's 3x3 and 1x1 2048>512, layer 3's, layer 2's and layer 1's 3x3
+# (name, C, K, side, filter, stride): layer 4's 3x3 and 1x1 2048>512, layer 3's, layer 2's and layer 1's 3x3, and
+# the other 1x1 convs of layers 2-4
 CASES = [("l4 3x3 512", 512, 512, 7, 3, 1), ("l4 1x1 2048>512", 2048, 512, 7, 1, 1), ("l3 3x3 256", 256, 256, 14, 3, 1),
-         ("l2 3x3 128", 128, 128, 28, 3, 1), ("l1 3x3 64", 64, 64, 56, 3, 1)]
+         ("l2 3x3 128", 128, 128, 28, 3, 1), ("l1 3x3 64", 64, 64, 56, 3, 1),
+         ("l4 1x1 512>2048", 512, 2048, 7, 1, 1), ("l3 1x1 1024>256", 1024, 256, 14, 1, 1),
+         ("l3 1x1 256>1024", 256, 1024, 14, 1, 1), ("l2 1x1 512>128", 512, 128, 28, 1, 1)]
 
 
 def zeroed_tickets():
