@@ -1,7 +1,8 @@
 """GELU's erfc fits (kernels/activations.py's gelu_erf) value by value against float64, through the epilogue kernel
-on an fp32 accumulator, stored as fp32 (the degree-9 fit) and as fp16 or bf16 (the degree-5 fit): under the interpreter on CPU tensors (CI), and compiled on a GPU
-(`TRITON_INTERPRET=0 pytest -m requires_cuda tests/test_gelu.py`), where ex2 and rsqrt are the hardware's
-approximations, not numpy's. Outside tests/kernels, whose tests are all skipped when TRITON_INTERPRET=0."""
+on an fp32 accumulator, stored as fp32 (the degree-9 fit) and as fp16 or bf16 (the degree-5 fit): under the
+interpreter on CPU tensors (CI), and compiled on a GPU (`TRITON_INTERPRET=0 pytest -m requires_cuda
+tests/test_gelu.py`), where ex2 and rsqrt are the hardware's approximations, not numpy's. Outside tests/kernels,
+whose tests are all skipped when TRITON_INTERPRET=0."""
 import math
 
 import pytest
