@@ -1,4 +1,4 @@
-"""GPU sweep for issue 5: `resfuse bench` over the issue's models and batch sizes, fp16 channels_last.
+"""GPU sweep for issue 5: `resfuse bench` over the issue's models and batch sizes, channels_last, fp16 (--dtype).
 
 Entry point: `python bench/models.py [--jobs resnet50:1,resnet50:32 ...] [--budget-s 540] [--out DIR]`.
 Runs on the GPU machine (CI never runs it). Each (model, batch) job is one `resfuse.bench.run.benchmark`
@@ -50,10 +50,10 @@ def parse_jobs(spec: str) -> list[tuple[str, int]]:
 
 
 def bench_args(name: str, batch: int, peers: str, iters: int, ceilings: str | None,
-               device: str, profile: bool) -> argparse.Namespace:
+               device: str, profile: bool, dtype: str = "fp16") -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     run.add_arguments(parser)
-    argv = [name, "--batch", str(batch), "--dtype", "fp16", "--device", device, "--peers", peers,
+    argv = [name, "--batch", str(batch), "--dtype", dtype, "--device", device, "--peers", peers,
             "--iters", str(iters), "--seq", "384", "--image-size", "224"]
     if ceilings:
         argv += ["--ceilings", ceilings]
@@ -68,10 +68,12 @@ def one_job(name: str, batch: int, opts: argparse.Namespace, ceilings: str | Non
     """One job's result dict, measured here (--in-process) or by this script in a child process, whose own
     output (a models.json, the ResNet-50 bs32 plot) goes to OUT/jobs/MODEL_bsBATCH."""
     if opts.in_process:
-        return run.benchmark(bench_args(name, batch, opts.peers, opts.iters, ceilings, opts.device, opts.profile))
+        return run.benchmark(bench_args(name, batch, opts.peers, opts.iters, ceilings, opts.device, opts.profile,
+                                        opts.dtype))
     out = Path(opts.out) / "jobs" / f"{name.replace('/', '_').replace(':', '_')}_bs{batch}"
     argv = [sys.executable, __file__, "--in-process", "--jobs", f"{name}:{batch}", "--peers", opts.peers,
-            "--iters", str(opts.iters), "--device", opts.device, "--out", str(out), "--budget-s", "inf"]
+            "--iters", str(opts.iters), "--device", opts.device, "--dtype", opts.dtype, "--out", str(out),
+            "--budget-s", "inf"]
     argv += ["--profile"] * opts.profile + (["--ceilings", ceilings] if ceilings else [])
     rc = subprocess.run(argv).returncode
     found = json.loads((out / "models.json").read_text()) if (out / "models.json").exists() else []
@@ -116,6 +118,7 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=540.0, help="start no job past this (seconds)")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     parser.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
+    parser.add_argument("--dtype", default="fp16", choices=sorted(run.DTYPES))
     parser.add_argument("--profile", action="store_true", help="top kernels of compile and resfuse in the JSON")
     parser.add_argument("--in-process", action="store_true", help="every job in this process, not one each")
     parser.add_argument("--ceilings", help="matmul FLOP/s,copy B/s to reuse (default: the first job measures them)")
