@@ -1,5 +1,6 @@
 """The epilogue IR: signature round trip, pattern names, and the reference math against plain torch."""
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,24 @@ def trees(draw, depth=4):
 def test_signature_round_trips(tree):
     assert epi.parse(str(tree)) == tree
     assert len(epi.pattern_ops(tree)) == str(tree).count("(")
+
+
+@settings(max_examples=100, deadline=None)
+@given(trees(), trees(), st.dictionaries(st.sampled_from(UNARY), st.integers(1, 3)))
+def test_op_versions_name_each_versioned_op_of_a_signature_or_pair(first, second, versions):
+    """The tuning key's op tag (epilogue.op_versions) lists every versioned op that a signature, or a pair's
+    'sig1;sig2', holds, with its version, and no other."""
+    import dataclasses
+
+    table = {n: dataclasses.replace(s, version=versions.get(n, 0)) for n, s in epi.OPS.items()}
+    saved = dict(epi.OPS)
+    epi.OPS.update(table)
+    try:
+        for signature in (str(first), f"{first};{second}"):
+            held = {n for n in versions if re.search(rf"(^|[(,;]){n}[(\[]", signature)}
+            assert epi.op_versions(signature) == "".join(f"+{n}{versions[n]}" for n in sorted(held))
+    finally:
+        epi.OPS.update(saved)
 
 
 def test_pattern_names():
