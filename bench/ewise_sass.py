@@ -52,14 +52,19 @@ def compile_sm90(channels: int, kv: int, hw: int = 56 * 56, batch: int = 32):
                           options={"num_warps": 4})
 
 
-def memory_ops(compiled) -> tuple[dict, int]:
+def sass(compiled) -> str:
+    """A compiled kernel's SASS, by triton's nvdisasm (bench/gelu_sass.py reads it too)."""
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
-    ops = collections.Counter(m.group(1) for m in re.finditer(r"\b((?:LDG|STG)\.E[.\w]*)", sass))
-    return dict(ops), len(re.findall(r"/\*[0-9a-f]{4}\*/", sass))
+        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def memory_ops(compiled) -> tuple[dict, int]:
+    text = sass(compiled)
+    ops = collections.Counter(m.group(1) for m in re.finditer(r"\b((?:LDG|STG)\.E[.\w]*)", text))
+    return dict(ops), len(re.findall(r"/\*[0-9a-f]{4}\*/", text))
 
 
 def main() -> None:

@@ -163,8 +163,13 @@ BINARY = frozenset(n for n, s in OPS.items() if s.arity == 2)
 def op_versions(signature: str) -> str:
     """The versioned ops in a signature (or in a pair's 'sig1;sig2') with their versions, '' when none: part of
     a tuning key."""
-    ops = sorted({m.group(1) for m in re.finditer(r"([a-z_0-9]+)[(\[]", signature)})
-    return "".join(f"+{name}{OPS[name].version}" for name in ops if name in OPS and OPS[name].version)
+    names, stack = set(), [parse(part) for part in signature.split(";")]
+    while stack:  # a loop, as operands() walks a tree
+        n = stack.pop()
+        if isinstance(n, Op):
+            names.add(n.name)
+            stack.extend(n.args)
+    return "".join(f"+{name}{OPS[name].version}" for name in sorted(names) if OPS[name].version)
 
 
 # ---- structure --------------------------------------------------------------------------------------------
