@@ -87,7 +87,7 @@ def step_us(calls=50) -> dict:
     among live objects: the input check (and its parts), the input copies, the replay, the outputs' copies
     (each started on an idle GPU)."""
     from resfuse.capture import cuda_graphs
-    from resfuse.capture.cuda_graphs import _masked, _same_addresses, _signature
+    from resfuse.capture.cuda_graphs import _masked, same_addresses, _signature
 
     graphed = next(o for o in gc.get_objects() if _is_graphed(o))
     cap = next(iter(graphed.captures.values()))
@@ -97,7 +97,7 @@ def step_us(calls=50) -> dict:
     steps = {"whole call": lambda: graphed(list(args)), "check": lambda: cap.replays(args),
              "check: ids, as before": lambda: _masked(list(map(id, args)), cap.not_fixed) == list(map(id, cap.fixed_objs)),
              "check: objects": lambda: all(map(operator.is_, _masked(args, cap.not_fixed), cap.fixed_objs)),
-             "check: addresses": lambda: _same_addresses(args, cap.fixed_ptrs, cap.fixed_idx),
+             "check: addresses": lambda: same_addresses(args, cap.fixed_ptrs, cap.fixed_idx),
              "check: addresses, Python": lambda: all(args[i].data_ptr() == cap.fixed_ptrs[i] for i in cap.fixed_idx),
              "check: copied signature": lambda: _signature([args[i] for i in cap.copied]),
              "copy in": lambda: [cap.static[i].copy_(args[i]) for i in cap.copied],

@@ -62,6 +62,10 @@ class Config:
     merge_linears: bool = True
     ("Merge linear layers that read the same input (attention's q, k and v) into one wider GEMM, before "
      "aot_autograd, so training's backward gets one data-gradient GEMM for them too.")
+    hoist_constants: bool = True
+    ("In inference, compute the values a graph derives from parameters alone (merged linears' concatenated weights, "
+     "autocast's weight casts) outside it, once, and again only when a parameter changes in place or is replaced, "
+     "instead of on every call. A write through `.data` is not seen.")
     providers: tuple[str, ...] = ("triton", "aten")
     "Who may run a fused op on CUDA, in order of preference until the tuner measures them."
     tuning: str = "fast"

@@ -28,6 +28,7 @@ from ..passes.pad_channels import pad_channels_joint
 from ..passes.report import Report
 from ..tuning.progress import PROGRESS
 from . import cuda_graphs, inductor
+from .constants import hoist_constants
 
 # Graph kinds the passes rewrite: all of them (aot_autograd's inference graph, or training's forward and backward).
 REWRITTEN = ("inference", "forward", "backward")
@@ -59,14 +60,32 @@ def compile_graph(gm: fx.GraphModule, example_inputs, *, config: Config, graph: 
         return original
     if not run_graph:
         return original
+    constants = hoisted_constants(gm, example_inputs, config, graph, report)
+    if constants:
+        example_inputs = constants.example_inputs
     graphed_here = cuda_graphs.wanted(config.cuda_graphs, graph, example_inputs)
     why_not = cuda_graphs.refusal(gm, graph) if graphed_here else None  # before lowering: reads op schemas
     built = build(gm, example_inputs, config, graph, report)
-    if not graphed_here:
-        return built
-    if why_not:
-        report.notes.append(f"{graph} graph runs without CUDA graphs: {why_not}")
-    return cuda_graphs.wrap(built, gm, example_inputs, graph, why_not, graphed if graphed is not None else {})
+    if graphed_here:
+        if why_not:
+            report.notes.append(f"{graph} graph runs without CUDA graphs: {why_not}")
+        built = cuda_graphs.wrap(built, gm, example_inputs, graph, why_not, graphed if graphed is not None else {})
+    return constants.wrap(built) if constants else built
+
+
+def hoisted_constants(gm: fx.GraphModule, example_inputs, config: Config, graph: str, report: Report):
+    """An inference graph's values computed from parameters alone, taken out of it (capture/constants.py): gm
+    then reads them as inputs after its own. Only an optimisation: on failure, a note and gm as it was."""
+    if graph != "inference" or not config.hoist_constants:
+        return None
+    kept = copy.deepcopy(gm.graph)
+    try:
+        return hoist_constants(gm, example_inputs, cuda_graphs.static_inputs(gm, graph), report)
+    except Exception as e:  # noqa: BLE001  the graph computes them itself, as without the switch
+        gm.graph = kept
+        gm.recompile()
+        report.notes.append(f"{graph} graph: parameter-only values not hoisted: {type(e).__name__}: {str(e)[:200]}")
+        return None
 
 
 def compile_ahead(gm: fx.GraphModule, graph: str, report: Report) -> None:

@@ -60,11 +60,11 @@ class _Capture:
         return (self.fixed_ptrs is not None and len(args) == len(self.fixed_ptrs)
                 and all(map(operator.is_, _masked(args, self.not_fixed), self.fixed_objs))
                 and [args[i] for i in self.scalar_idx] == self.scalars
-                and _same_addresses(args, self.fixed_ptrs, self.fixed_idx)
+                and same_addresses(args, self.fixed_ptrs, self.fixed_idx)
                 and _signature([args[i] for i in self.copied]) == self.copied_sig)
 
 
-def _same_addresses(args: tuple, ptrs: list, idx: list) -> bool:
+def same_addresses(args: tuple, ptrs: list, idx: list) -> bool:
     """args[i].data_ptr() == ptrs[i] for each i in idx: in C++ where torch has it (its CUDA builds; CUDA graph
     trees check their static inputs with it), else in Python."""
     check = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
@@ -189,12 +189,12 @@ def refusal(gm: fx.GraphModule, graph: str) -> str | None:
         return why.removeprefix("skipping cudagraphs due to ").split(". Found from")[0].splitlines()[0]
     if node := get_first_incompatible_cudagraph_node(gm):
         return f"{node.name} ({node.target}) cannot be captured"
-    if mutated := sorted(find_input_mutations(gm.graph) - set(_static_inputs(gm, graph))):
+    if mutated := sorted(find_input_mutations(gm.graph) - set(static_inputs(gm, graph))):
         return f"it writes in place to input(s) {mutated}, which a replay would write to a static copy"
     return None
 
 
-def _static_inputs(gm: fx.GraphModule, graph: str) -> list[int]:
+def static_inputs(gm: fx.GraphModule, graph: str) -> list[int]:
     """Inputs at fixed addresses: a backward's saved activations (in the graph pool), else the parameters and
     buffers aot_autograd lifted."""
     from torch._inductor.compile_fx import get_static_input_idxs
@@ -241,7 +241,7 @@ def graph_tree(fn, gm: fx.GraphModule, example_inputs, graph: str):  # fn: boxed
 
     device = next(t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda)
     fn = cudagraphify_impl(
-        fn, list(example_inputs), _static_inputs(gm, graph),
+        fn, list(example_inputs), static_inputs(gm, graph),
         device_index=device.index, is_backward=graph == "backward", is_inference=False,
         stack_traces=get_stack_traces(gm), placeholders=get_placeholder_info(gm.graph),
         mutated_input_idxs=find_input_mutations(gm.graph))

@@ -1,0 +1,149 @@
+"""Values an inference graph computes from parameters alone, hoisted out of it (capture/constants.py).
+
+Hypothesis draws a model with such values (merged linears' concatenated weights and biases, a scaled weight, a
+buffer the forward updates, a parameter-only value the forward returns) and a run of parameter changes between
+calls (in place, a new Parameter, `.data` reassigned, load_state_dict). Each call must match eager; the report
+must name what was hoisted, and nothing else; a returned value must never be the cached one.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings, strategies as st
+
+import resfuse
+from resfuse.capture import backend
+
+CHANGES = ("none", "in place", "new parameter", "data", "load_state_dict")
+
+
+class Model(nn.Module):
+    def __init__(self, d, heads, scaled, counter, returns_param):
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Linear(d, d) for _ in range(heads))  # q, k, v: merged, their cat hoisted
+        self.scale = nn.Parameter(torch.randn(d, d))
+        self.scaled, self.counter, self.returns_param = scaled, counter, returns_param
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        out = sum(h(x).relu() for h in self.heads)
+        if self.scaled:  # a weight computed from a parameter: hoisted
+            out = out + x @ (self.scale * 0.5).t()
+        if self.counter:  # a buffer the graph writes: what it computes from it stays in the graph
+            self.count.add_(1)
+            out = out * (self.count + self.scale[0])
+        if self.returns_param:  # a graph output computed from parameters alone stays in the graph
+            return out, self.scale * 2
+        return out
+
+
+def _change(model, how, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = model.heads[0].weight
+    if how == "in place":
+        with torch.no_grad():
+            w.mul_(-2)
+    elif how == "new parameter":
+        model.heads[-1].bias = nn.Parameter(torch.randn(model.heads[-1].bias.shape, generator=g))
+    elif how == "data":  # a new buffer, the same object and version counter: seen by its address
+        w.data = torch.randn(w.shape, generator=g)
+    elif how == "load_state_dict":
+        model.load_state_dict({k: torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()})
+
+
+def _expected_hoisted(heads, scaled, counter) -> int:
+    return (2 if heads > 1 else 0) + scaled  # the weights' and the biases' cat; the scaled weight
+
+
+@settings(max_examples=10, deadline=None)
+@given(d=st.integers(1, 7), heads=st.integers(1, 3), scaled=st.booleans(), counter=st.booleans(),
+       returns_param=st.booleans(), changes=st.lists(st.sampled_from(CHANGES), min_size=1, max_size=3),
+       seed=st.integers(0, 2**16))
+def test_hoisted_values_follow_every_parameter_change(d, heads, scaled, counter, returns_param, changes, seed):
+    torch.manual_seed(seed)
+    eager = Model(d, heads, scaled, counter, returns_param).eval()
+    ours = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(ours)
+    with torch.no_grad():
+        for step, how in enumerate(["none", *changes]):
+            _change(eager, how, seed + step)
+            _change(ours, how, seed + step)
+            x = torch.randn(3, d)
+            out, ref = compiled(x), eager(x)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=f"call {step}, after {how}")
+            if returns_param:
+                out[1].fill_(float("nan"))  # the caller's own tensor: the next call must not see this
+    hoisted = [r for r in compiled.resfuse_report.rewrites if "hoisted out of it" in r]
+    n = _expected_hoisted(heads, scaled, counter)
+    assert [r.split(": ")[1].split(" value")[0] for r in hoisted] == ([str(n)] if n else [])
+    torch.testing.assert_close(ours.count, eager.count)
+
+
+def test_hoisted_graph_reads_the_values_as_inputs_and_no_longer_computes_them():
+    """The rewritten graph has one more input per hoisted value and none of the ops that computed them."""
+    seen = []
+    real = backend.build
+
+    def spy(gm, example_inputs, *args):
+        seen.append((gm.graph, len(example_inputs)))
+        return real(gm, example_inputs, *args)
+
+    torch.manual_seed(0)
+    model = Model(4, 3, True, False, False).eval()
+    torch._dynamo.reset()
+    backend.build = spy
+    try:
+        with torch.no_grad():
+            resfuse.compile(model)(torch.randn(2, 4))
+    finally:
+        backend.build = real
+    (graph, n_inputs), = seen
+    targets = [str(n.target) for n in graph.nodes if n.op == "call_function"]
+    placeholders = [n.name for n in graph.nodes if n.op == "placeholder"]
+    assert not any(t.startswith("aten.cat") or t.startswith("aten.mul") for t in targets)
+    assert sum(p.startswith("hoisted_") for p in placeholders) == 3 and n_inputs == len(placeholders)
+
+
+def test_training_graphs_keep_their_parameter_computations():
+    """Hoisting is for inference: a training graph differentiates through the concatenation."""
+    torch.manual_seed(0)
+    model = Model(4, 3, True, False, False)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(model)
+    compiled(torch.randn(2, 4)).sum().backward()
+    assert not any("hoisted" in r for r in compiled.resfuse_report.rewrites)
+    assert all(p.grad is not None for p in model.heads.parameters())
+
+
+def test_switch_off_keeps_them_in_the_graph():
+    torch.manual_seed(0)
+    model = Model(4, 3, True, False, False).eval()
+    torch._dynamo.reset()
+    compiled = resfuse.compile(model, hoist_constants=False)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert not any("hoisted" in r for r in compiled.resfuse_report.rewrites)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
+def test_cuda_graph_replays_read_the_refreshed_values():
+    """On CUDA the inference graph replays as a CUDA graph that reads the hoisted values at their addresses: an
+    in-place change of a parameter refreshes them there, a replaced parameter re-captures."""
+    torch.manual_seed(0)
+    eager = Model(64, 3, True, False, False).eval().cuda().half()
+    ours = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(ours, tuning="none")
+    with torch.no_grad():
+        for step, how in enumerate(["none", "none", "in place", "none", "new parameter", "load_state_dict"]):
+            for m in (eager, ours):
+                _change(m, how, step)
+                m.cuda().half()
+            x = torch.randn(5, 64, device="cuda", dtype=torch.half)
+            out, ref = compiled(x), eager(x)
+            assert ((out - ref).float().norm() / ref.float().norm()).item() < 5e-3, (step, how)
+    assert any("3 value(s)" in r and "hoisted" in r for r in compiled.resfuse_report.rewrites)
