@@ -8,7 +8,8 @@ variant tunes (fresh cache or not) and the later ones read its tuning choices, s
 switches only. fp16, channels_last, CUDA-event medians over rotated inputs (resfuse.bench.timing), errors
 against eager. A peer may be named more than once (off,on,off,on): each run is its own row. A table prints last,
 its columns numbered in the order of --peers; the JSON goes to --out (ab.json), each job's peers a list in that
-order.
+order. With --autocast the model keeps fp32 weights and each peer runs it under torch.autocast (fp16), as mixed-
+precision inference does: the errors are then against eager under autocast.
 """
 from __future__ import annotations
 
@@ -52,10 +53,25 @@ def variant(peer: str):
     return lambda m: resfuse.compile(m, **options)
 
 
-def run_job(name: str, batch: int, peers: list[str], iters: int) -> dict:
+class Autocast(torch.nn.Module):
+    """`model` run under torch.autocast(dtype): what each peer compiles when --autocast is given."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.model, self.dtype = model, dtype
+
+    def forward(self, *args):
+        with torch.autocast("cuda", dtype=self.dtype):
+            return self.model(*args)
+
+
+def run_job(name: str, batch: int, peers: list[str], iters: int, autocast: bool = False) -> dict:
     device = torch.device("cuda")
     torch.backends.cudnn.benchmark = True
-    model, inputs = models.load(name, batch, torch.float16, device, image_size=224, seq=384)
+    model, inputs = models.load(name, batch, torch.float32 if autocast else torch.float16, device, image_size=224,
+                                seq=384)
+    if autocast:
+        model = Autocast(model, torch.float16)
     sets = timing.input_sets(inputs)
     refs = timing.run_once(model, inputs)
     rows = []  # in the order run: a peer named twice (alternating A/B) keeps both measurements
@@ -77,7 +93,8 @@ def run_job(name: str, batch: int, peers: list[str], iters: int) -> dict:
         print(f"{name}:{batch} {peer}: {rows[-1]}", flush=True)
         del fn
         torch.cuda.empty_cache()
-    return {"model": name, "batch": batch, "device": torch.cuda.get_device_name(), "peers": rows}
+    return {"model": name, "batch": batch, "autocast": autocast, "device": torch.cuda.get_device_name(),
+            "peers": rows}
 
 
 def main():
@@ -86,6 +103,7 @@ def main():
     p.add_argument("--peers", default="eager,reduce-overhead,rf+graphs remainder=eager,rf+graphs")
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--budget-s", type=float, default=540)
+    p.add_argument("--autocast", action="store_true", help="fp32 weights, each peer under torch.autocast (fp16)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     peers = [s for s in args.peers.split(",") if s]
@@ -97,7 +115,7 @@ def main():
             print(f"budget spent: skipped {item}")
             continue
         name, _, batch = item.rpartition(":")
-        results.append(run_job(name, int(batch), peers, args.iters))
+        results.append(run_job(name, int(batch), peers, args.iters, args.autocast))
         Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "ab.json").write_text(json.dumps(results, indent=1))
     print("\n" + "\n".join(f"#{i + 1}: {peer}" for i, peer in enumerate(peers)))
