@@ -147,3 +147,63 @@ def test_cuda_graph_replays_read_the_refreshed_values():
             out, ref = compiled(x), eager(x)
             assert ((out - ref).float().norm() / ref.float().norm()).item() < 5e-3, (step, how)
     assert any("3 value(s)" in r and "hoisted" in r for r in compiled.resfuse_report.rewrites)
+
+
+class Autocast(nn.Module):
+    def __init__(self, model, device_type, dtype):
+        super().__init__()
+        self.model, self.device_type, self.dtype = model, device_type, dtype
+
+    def forward(self, x):
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.model(x)
+
+
+def test_autocast_weight_casts_are_hoisted_and_follow_an_update():
+    """Under autocast each linear's fp32 weight and bias is cast on every call; hoisted, they are cast once and
+    again after an in-place update."""
+    torch.manual_seed(0)
+    eager = Autocast(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)), "cpu", torch.bfloat16).eval()
+    ours = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(ours)
+    with torch.no_grad():
+        for how in ("none", "in place", "none"):
+            for m in (eager.model[0], ours.model[0]):
+                if how == "in place":
+                    m.weight.mul_(-3)
+            x = torch.randn(4, 16)
+            out, ref = compiled(x), eager(x)
+            assert out.dtype == ref.dtype == torch.bfloat16
+            # bf16's rounding: the fused epilogue rounds once where eager rounds after the GEMM and again after relu
+            torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2, msg=how)
+    hoisted = [r for r in compiled.resfuse_report.rewrites if "hoisted out of it" in r]
+    assert len(hoisted) == 1 and "4 value(s)" in hoisted[0] and "_to_copy" in hoisted[0]
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
+def test_autocast_conv_weights_fold_once_and_again_after_an_update():
+    """Autocast inference on CUDA: the hoisted fp16 weight casts feed the batch norms folded into them (cuDNN's
+    provider, fold_bn), so an in-place update must refresh the cast, then the fold, before the graph replays."""
+    from .test_api import Block
+
+    torch.manual_seed(0)
+    eager = Autocast(Block(16), "cuda", torch.float16).eval().cuda().to(memory_format=torch.channels_last)
+    ours = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(ours, tuning="fast", tuning_budget_s=60)
+    with torch.no_grad():
+        for step, how in enumerate(["none", "none", "in place", "none", "load_state_dict"]):
+            if how == "in place":
+                for m in (eager, ours):
+                    m.model.c1.weight.mul_(-2)
+                    m.model.b2.running_var.mul_(3)
+            elif how == "load_state_dict":
+                state = {k: v * 0.5 if v.is_floating_point() else v for k, v in eager.state_dict().items()}
+                eager.load_state_dict(state)
+                ours.load_state_dict(state)
+            x = torch.randn(4, 16, 9, 7, device="cuda").to(memory_format=torch.channels_last)
+            out, ref = compiled(x), eager(x)
+            assert ((out - ref).float().norm() / ref.float().norm()).item() < 5e-3, (step, how)
+    assert any("hoisted out of it" in r for r in compiled.resfuse_report.rewrites)
