@@ -81,6 +81,25 @@ def test_hoisted_values_follow_every_parameter_change(d, heads, scaled, counter,
     torch.testing.assert_close(ours.count, eager.count)
 
 
+def test_a_model_made_under_inference_mode_is_hoisted_and_followed():
+    """Its parameters are inference tensors, without version counters: the hoisted values are computed again on
+    every call, so an in-place edit under inference_mode is followed too (it raised before)."""
+    with torch.inference_mode():
+        torch.manual_seed(0)
+        eager = Model(5, 3, True, False, False).eval()
+        ours = copy.deepcopy(eager)
+        torch._dynamo.reset()
+        compiled = resfuse.compile(ours)
+        for how in ("none", "in place", "none"):
+            for m in (eager, ours):
+                if how == "in place":
+                    m.heads[1].weight.mul_(-2)
+                    m.scale.add_(1)
+            x = torch.randn(3, 5)
+            torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-5, msg=how)
+    assert any("3 value(s)" in r and "hoisted" in r for r in compiled.resfuse_report.rewrites)
+
+
 def test_hoisted_graph_reads_the_values_as_inputs_and_no_longer_computes_them():
     """The rewritten graph has one more input per hoisted value and none of the ops that computed them."""
     seen = []

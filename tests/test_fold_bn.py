@@ -89,6 +89,25 @@ def test_a_fold_follows_in_place_updates_and_dies_with_its_sources():
     assert not any(f.w is fw for f in fold_bn._FOLDS.values())
 
 
+def test_a_fold_of_inference_tensors_is_folded_again_on_every_call():
+    """Tensors made under torch.inference_mode have no version counter (reading it raises): a fold of them, and a
+    graph's watch over it, fold again each time, so an in-place edit there is followed too."""
+    with torch.inference_mode():
+        w, vecs = torch.randn(5, 3, 1, 1).half(), bn_vectors(5)
+        call = Call("conv2d", (torch.randn(1, 3, 2, 2).half(), w), vecs, BN_RELU, ([1, 1], [0, 0], [1, 1]),
+                    Output.of([1, 5, 2, 2], torch.float16, torch.device("cpu")))
+        with fold_bn.recording_folds() as used:
+            fw = fold_bn.folded_call(call).inputs[1]
+        watch = fold_bn.FoldWatch(used)
+        before = fw.clone()
+        vecs[2].mul_(-3.0)
+        assert watch.refresh()
+        torch.testing.assert_close(fw.float(), before.float() * -3.0, atol=2e-3, rtol=2e-3)
+        vecs[2].mul_(2.0)
+        assert fold_bn.folded_call(call).inputs[1] is fw
+        torch.testing.assert_close(fw.float(), before.float() * -6.0, atol=4e-3, rtol=2e-3)
+
+
 def test_a_fold_that_overflows_runs_unfolded_and_its_graph_is_captured_again(monkeypatch, capsys):
     """A refold whose weight overflows fp16 (the batch norm's weight grown 1e5-fold in place) is never read:
     folded_call gives None, the graph's FoldWatch says so before the replay, and CudaGraphed captures again

@@ -18,7 +18,8 @@ would get our cached tensor, or a view of it).
 Before each call, `Constants` compares its sources' identities, addresses and version counters (an in-place
 update bumps the counter) with the last call's. On a change it computes the hoisted values again, into the same
 tensors, so that a CUDA graph reading them at their addresses stays right. A write through `.data`, which
-bypasses the version counter, is not seen.
+bypasses the version counter, is not seen. An inference tensor (made under torch.inference_mode) has no counter:
+what is computed from one is computed again on every call.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import weakref
 import torch
 import torch.fx as fx
 
+from ..providers.fold_bn import versions
 from . import cuda_graphs
 
 
@@ -83,8 +85,9 @@ class Constants:
 
     def values_for(self, inputs) -> list[torch.Tensor]:
         sources = [inputs[i] for i in self.source_idx]
-        if (self.values is None or not all(r() is t for r, t in zip(self.refs, sources))
-                or [t._version for t in sources] != self.versions
+        now = versions(sources)
+        if (self.values is None or now is None or now != self.versions
+                or not all(r() is t for r, t in zip(self.refs, sources))
                 or not cuda_graphs.same_addresses(sources, self.ptrs, self.all_idx)):
             self._refresh(sources)
         return self.values
@@ -98,7 +101,7 @@ class Constants:
                 self.values = [old.copy_(v) if _same_layout(old, v) else v for old, v in zip(self.values, new)]
         self.refs = [weakref.ref(t) for t in sources]
         self.ptrs = [t.data_ptr() for t in sources]
-        self.versions = [t._version for t in sources]
+        self.versions = versions(sources)
 
     def wrap(self, fn):
         """fn (boxed: the built graph, which takes its hoisted values after its own inputs) fed by this cache."""

@@ -63,8 +63,8 @@ class Fold:
         sources = [r() for r in self.refs]
         if any(t is None for t in sources):
             return False
-        state = tuple(t._version for t in sources)
-        if state == self.seen:
+        state = versions(sources)
+        if state is not None and state == self.seen:
             return True
         w, mean, var, weight, bias = sources
         scale = weight.float() * torch.rsqrt(var.float() + self.eps)
@@ -80,6 +80,14 @@ class Fold:
                       "parameters fit again")
             self.fits = fits
         return True
+
+
+def versions(tensors) -> tuple | None:
+    """The tensors' version counters, or None where one is an inference tensor (made under torch.inference_mode),
+    which has none: what is derived from it is then derived again on every call."""
+    if any(t.is_inference() for t in tensors):
+        return None
+    return tuple(t._version for t in tensors)
 
 
 _FOLDS: dict = {}  # (the sources' addresses, shapes and dtypes, eps) -> Fold
@@ -145,13 +153,13 @@ class FoldWatch:
     def __init__(self, folds):
         self.folds = list({id(f): f for f in folds}.values())
         self.sources = [t for f in self.folds for t in (r() for r in f.refs) if t is not None]
-        self.versions = [t._version for t in self.sources]
+        self.versions = versions(self.sources)
 
     def refresh(self) -> bool:
         """False when a fold the graph reads overflows its dtype after this refold: the graph must be captured
         again, with the conv unfolded (`run`)."""
-        now = [t._version for t in self.sources]
-        if now == self.versions:
+        now = versions(self.sources)
+        if now is not None and now == self.versions:
             return True
         for fold in self.folds:
             fold.refresh()
