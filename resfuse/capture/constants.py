@@ -30,7 +30,6 @@ import weakref
 import torch
 import torch.fx as fx
 
-from ..providers.fold_bn import versions
 from . import cuda_graphs
 
 
@@ -85,7 +84,7 @@ class Constants:
 
     def values_for(self, inputs) -> list[torch.Tensor]:
         sources = [inputs[i] for i in self.source_idx]
-        now = versions(sources)
+        now = cuda_graphs.versions(sources)
         if (self.values is None or now is None or now != self.versions
                 or not all(r() is t for r, t in zip(self.refs, sources))
                 or not cuda_graphs.same_addresses(sources, self.ptrs, self.all_idx)):
@@ -101,7 +100,7 @@ class Constants:
                 self.values = [old.copy_(v) if _same_layout(old, v) else v for old, v in zip(self.values, new)]
         self.refs = [weakref.ref(t) for t in sources]
         self.ptrs = [t.data_ptr() for t in sources]
-        self.versions = versions(sources)
+        self.versions = cuda_graphs.versions(sources)
 
     def wrap(self, fn):
         """fn (boxed: the built graph, which takes its hoisted values after its own inputs) fed by this cache."""

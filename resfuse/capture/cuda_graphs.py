@@ -81,6 +81,15 @@ def _masked(values, masked) -> list:
     return values
 
 
+def versions(tensors) -> tuple | None:
+    """The tensors' version counters (what a derived value cached across calls compares: providers/fold_bn.py's
+    folds, capture/constants.py's hoisted values), or None where one is an inference tensor (made under
+    torch.inference_mode), which has none: what is derived from it is then derived again on every call."""
+    if any(t.is_inference() for t in tensors):
+        return None
+    return tuple(t._version for t in tensors)
+
+
 def _signature(args) -> tuple:
     return tuple((a.shape, a.dtype, a.stride(), a.device) if isinstance(a, torch.Tensor) else a for a in args)
 

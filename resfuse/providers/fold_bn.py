@@ -17,6 +17,7 @@ import weakref
 import torch
 
 from .. import epilogue as epi
+from ..capture.cuda_graphs import versions
 
 
 def fold_refusal(call) -> str | None:
@@ -80,14 +81,6 @@ class Fold:
                       "parameters fit again")
             self.fits = fits
         return True
-
-
-def versions(tensors) -> tuple | None:
-    """The tensors' version counters, or None where one is an inference tensor (made under torch.inference_mode),
-    which has none: what is derived from it is then derived again on every call."""
-    if any(t.is_inference() for t in tensors):
-        return None
-    return tuple(t._version for t in tensors)
 
 
 _FOLDS: dict = {}  # (the sources' addresses, shapes and dtypes, eps) -> Fold
