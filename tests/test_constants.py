@@ -125,6 +125,27 @@ def test_hoisted_graph_reads_the_values_as_inputs_and_no_longer_computes_them():
     assert sum(p.startswith("hoisted_") for p in placeholders) == 3 and n_inputs == len(placeholders)
 
 
+def test_values_keep_the_compiled_layout_and_their_addresses():
+    """A value whose computation gives other strides than the graph was compiled for (Inductor asserts its inputs'
+    strides) is laid out as compiled; after an update it is refreshed into the same tensor (a CUDA graph reads it
+    at its address)."""
+    import torch.fx as fx
+
+    from resfuse.capture.constants import Constants
+
+    w = torch.randn(3, 4)
+    compute = fx.symbolic_trace(lambda w: (w.t() * 2,))  # eager keeps the transpose's strides, (1, 4)
+    constants = Constants(compute, [1], [], [((4, 3), (3, 1))])
+    (value,) = constants.values_for([None, w])
+    assert value.stride() == (3, 1)
+    torch.testing.assert_close(value, w.t() * 2)
+    with torch.no_grad():
+        w.add_(1)
+    (again,) = constants.values_for([None, w])
+    assert again is value and again.stride() == (3, 1)
+    torch.testing.assert_close(again, w.t() * 2)
+
+
 def test_training_graphs_keep_their_parameter_computations():
     """Hoisting is for inference: a training graph differentiates through the concatenation."""
     torch.manual_seed(0)

@@ -71,14 +71,16 @@ def hoist_constants(gm: fx.GraphModule, example_inputs, static, report) -> Const
     report.rewrites.append(f"inference graph: {len(hoisted)} value(s) computed from parameters alone "
                            f"({', '.join(ops)}) hoisted out of it: computed again only when a parameter changes "
                            f"({kept / 1e6:.1f} MB kept)")
-    return Constants(compute, [placeholders.index(p) for p in read], [*example_inputs, *new_inputs])
+    return Constants(compute, [placeholders.index(p) for p in read], [*example_inputs, *new_inputs],
+                     [(tuple(v.shape), v.stride()) for v in new_inputs])
 
 
 class Constants:
     """The hoisted values of one graph, kept between calls and computed again when a source changed."""
 
-    def __init__(self, compute: fx.GraphModule, source_idx: list[int], example_inputs: list):
+    def __init__(self, compute: fx.GraphModule, source_idx: list[int], example_inputs: list, layouts: list):
         self.compute, self.source_idx, self.example_inputs = compute, source_idx, example_inputs
+        self.layouts = layouts  # each value's (shape, strides), as the graph was compiled for them
         self.all_idx = list(range(len(source_idx)))
         self.refs, self.ptrs, self.versions, self.values = [], [], [], None
 
@@ -95,9 +97,10 @@ class Constants:
         with torch.no_grad():
             new = self.compute(*sources)
             if self.values is None:
-                self.values = list(new)
-            else:  # in place where the layout is unchanged: a CUDA graph reads them at their addresses
-                self.values = [old.copy_(v) if _same_layout(old, v) else v for old, v in zip(self.values, new)]
+                self.values = [_laid_out(v, *layout) for v, layout in zip(new, self.layouts)]
+            else:  # in place: a CUDA graph reads them at their addresses
+                self.values = [old.copy_(v) if old.shape == v.shape else _laid_out(v, *layout)
+                               for old, v, layout in zip(self.values, new, self.layouts)]
         self.refs = [weakref.ref(t) for t in sources]
         self.ptrs = [t.data_ptr() for t in sources]
         self.versions = cuda_graphs.versions(sources)
@@ -112,8 +115,11 @@ class Constants:
         return run
 
 
-def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device
+def _laid_out(v: torch.Tensor, shape, strides) -> torch.Tensor:
+    """v with the strides the graph was compiled for (Inductor asserts its inputs' sizes and strides)."""
+    if v.stride() == strides or v.shape != shape:
+        return v
+    return torch.empty_strided(shape, strides, dtype=v.dtype, device=v.device).copy_(v)
 
 
 def _computable(node: fx.Node, sources: set, const: set) -> bool:
