@@ -56,12 +56,12 @@ def variant(peer: str):
 class Autocast(torch.nn.Module):
     """`model` run under torch.autocast(dtype): what each peer compiles when --autocast is given."""
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device_type: str = "cuda"):
         super().__init__()
-        self.model, self.dtype = model, dtype
+        self.model, self.dtype, self.device_type = model, dtype, device_type
 
     def forward(self, *args):
-        with torch.autocast("cuda", dtype=self.dtype):
+        with torch.autocast(self.device_type, dtype=self.dtype):
             return self.model(*args)
 
 
