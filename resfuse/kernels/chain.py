@@ -54,17 +54,30 @@ class ChainConfig:
         # (bench/results/chain_proto_sweep_twentyfifth_h100.log: wider tiles failed on shared memory or spilled)
         regs = self.block_m * (p.n2 + self.block_n1 + p.k1 // 2) <= 192 * 32 * self.num_warps
         return (p.n1 % self.block_n1 == 0 and _pow2(self.block_m) and _pow2(self.block_n1) and regs
-                and self.num_warps in (4, 8) and self.num_stages in (1, 2) and self.persistent >= 1)
+                and self.smem(p) <= SMEM_BYTES and self.num_warps in (4, 8) and self.num_stages in (1, 2)
+                and self.persistent >= 1)
+
+    def smem(self, p: ChainProblem) -> int:
+        """Bytes of shared memory: x's rows, each stage's chunks of w1 and w2, the store boxes of a y chunk and of
+        z. For ResNeXt-50's layer-2 pair (256 > 512 > 256) at the default config this gives 344,064; Triton's
+        compile took 344,664 and the launch failed."""
+        return p.dtype_bytes * (self.block_m * p.k1 + self.num_stages * self.block_n1 * (p.k1 + p.n2)
+                                + self.block_m * (self.block_n1 + p.n2))
 
 
+SMEM_BYTES = 220 * 1024  # as the other TMA families (shortcut.py, plan.descriptor_output): Hopper's 227 KB, less slack
 # every config of this space measured on ResNet-50's pairs (run 2 of the probe); the tuner's fast level takes it all
 SPACE = {"block_m": (64,), "block_n1": (64, 128), "num_warps": (4,), "num_stages": (1, 2), "persistent": (1, 2)}
 
 
-def default_config(p: ChainProblem) -> ChainConfig:
+def default_config(p: ChainProblem) -> ChainConfig | None:
     """The probe's winner on layer 1 at both batches (BM 64, BN1 128, 4 warps, 2 stages); BN1 smaller where N1
-    is not a multiple of 128 (the largest power of two that divides it)."""
-    return ChainConfig(block_n1=min(128, p.n1 & -p.n1))
+    is not a multiple of 128 (the largest power of two that divides it); then one stage, then BN1 64, where that
+    does not fit (`check`). None where nothing does: `refusal` then keeps the two convs apart."""
+    bn1 = min(128, p.n1 & -p.n1)
+    tries = (ChainConfig(block_n1=bn1), ChainConfig(block_n1=bn1, num_stages=1),
+             ChainConfig(block_n1=min(bn1, 64), num_stages=1))
+    return next((cfg for cfg in tries if cfg.check(p)), None)
 
 
 def _pow2(n: int) -> bool:
@@ -85,6 +98,8 @@ def refusal(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> str | None:
                 "and last, a multiple of 16 up to 1024 between")
     if not nhwc_dense(x) or any(w.reshape(w.shape[0], -1).stride(1) != 1 for w in (w1, w2)):
         return "the chain kernel takes a channels_last input and dense 1x1 weights"
+    if default_config(ChainProblem(0, k1, n1, n2, x.element_size(), 1)) is None:
+        return f"channels {k1} > {n1} > {n2}: no config of the chain kernel fits its registers and shared memory"
     return None
 
 
