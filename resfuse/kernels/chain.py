@@ -58,9 +58,11 @@ class ChainConfig:
                 and self.persistent >= 1)
 
     def smem(self, p: ChainProblem) -> int:
-        """Bytes of shared memory: x's rows, each stage's chunks of w1 and w2, the store boxes of a y chunk and of
-        z. For ResNeXt-50's layer-2 pair (256 > 512 > 256) at the default config this gives 344,064; Triton's
-        compile took 344,664 and the launch failed."""
+        """Bytes of shared memory the kernel takes at least: x's rows, each stage's chunks of w1 and w2, the store
+        boxes of a y chunk and of z. Triton may take more (its buffers per unrolled chunk): ResNet-50's layer-2 pair
+        (128 > 512 > 128) took 262,744 bytes on an H100 at the default config, against 180,224 here, and failed to
+        launch; `conv2d_chain` then refuses that pair at run time. Where even this bound is over the limit (256 >
+        512 > 256: 344,064 here, 344,664 taken) the pair is refused before any compile."""
         return p.dtype_bytes * (self.block_m * p.k1 + self.num_stages * self.block_n1 * (p.k1 + p.n2)
                                 + self.block_m * (self.block_n1 + p.n2))
 
@@ -195,6 +197,7 @@ class ChainPlan:
         self.grid = (min(tiles, cfg.persistent * sm_count(x.device)),)
         self.head = [m, x.shape[2] * x.shape[3], tiles]
         upcast = x.dtype == torch.bfloat16 and options()["interpret"]  # see tiles.mma
+        self.config = cfg
         self.meta = dict(K1=k1, N1=n1, N2=n2, BM=bm, BN1=bn1, PRECISION="upcast" if upcast else "ieee",
                          num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_meta(x.device))
 
@@ -227,6 +230,12 @@ def conv2d_chain(x, w1, operands1, signature1: str, w2, operands2, signature2: s
         cfg = config or default_config(ChainProblem(pixel_rows(x).shape[0], x.shape[1], w1.shape[0], w2.shape[0],
                                                     x.element_size(), sm_count(x.device)))
         plan = _PLANS[key] = ChainPlan(x, w1, w2, operands1, signature1, operands2, signature2, y, z, cfg)
+    if isinstance(plan, str):
+        raise NotImplementedError(plan)
     if y.numel():
-        plan.launch(x, w1, w2, operands1, signature1, operands2, signature2, y, z)
+        try:
+            plan.launch(x, w1, w2, operands1, signature1, operands2, signature2, y, z)
+        except triton.runtime.errors.OutOfResources as e:  # raised as it loads, before anything runs
+            _PLANS[key] = f"the chain kernel's config {plan.config} is out of resources here: {e}"
+            raise NotImplementedError(_PLANS[key]) from e
     return y, z

@@ -113,10 +113,21 @@ def run_pair(call, provider: str, kernel, separate):
             choose.choose(call)
             fused._record(call.op, call.signature, "separate")
             return out
-        fused._record(call.op, call.signature, "triton" if choice.provider == "triton" else "separate")
         if choice.provider == "triton":
-            return kernel(call, choice.config)
+            try:
+                out = kernel(call, choice.config)
+            except NotImplementedError as e:  # an untuned config the kernel found out of resources (tuning "none")
+                if e.args[0] not in _SAID:
+                    _SAID.add(e.args[0])
+                    print(f"resfuse: {call.op} runs as two ops: {e.args[0]}")
+            else:
+                fused._record(call.op, call.signature, "triton")
+                return out
+        fused._record(call.op, call.signature, "separate")
     return separate(call, provider)
+
+
+_SAID: set = set()  # the reasons run_pair printed, once each
 
 
 conv2d_chain = library.Op("conv2d_chain", conv2d_chain_impl)

@@ -31,6 +31,36 @@ def test_bottleneck_pairs_become_chains_and_match_eager(blocks, mid, size, batch
     assert sum(n for (op, _, _), n in PATHS.items() if op == "conv2d_chain") == len(chains)
 
 
+def test_a_chain_out_of_resources_runs_as_two_ops(monkeypatch, capsys):
+    """A GPU may not fit the chain kernel's untuned config (on an H100, ResNet-50's layer-2 pair took 262,744 bytes
+    of shared memory, over 232,448, and its launch raised). Triton raises as the kernel loads, before anything runs:
+    the pair then runs as its two convs, on every later call too, and says so once."""
+    from triton.runtime.errors import OutOfResources
+
+    from resfuse.kernels import chain
+
+    launches = []
+
+    def out_of_memory(self, *args):
+        launches.append(1)
+        raise OutOfResources(262744, 232448, "shared memory")
+
+    monkeypatch.setattr(chain.ChainPlan, "launch", out_of_memory)
+    model = net((16, 16, 2, 1)).eval().half().to(memory_format=torch.channels_last)
+    torch._dynamo.reset()
+    PATHS.clear()
+    compiled = resfuse.compile(model, interpret=True, shortcut_convs=False)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(1, 3, 4, 5).half().contiguous(memory_format=torch.channels_last)
+            assert rel(compiled(x), model.double()(x.double())) < 5e-3
+            model.half()
+    chains = [f for f in compiled.resfuse_report.fusions if f.anchor == "conv2d_chain"]
+    ran = {path for (op, _, path), n in PATHS.items() if op == "conv2d_chain" and n}
+    assert chains and ran == {"separate"}
+    assert capsys.readouterr().out.count("runs as two ops") == 1 and len(launches) == 1  # refused once, remembered
+
+
 def test_switch_off_and_the_aten_provider_keep_two_convs():
     model = net((16, 16, 2, 1))
     x = torch.randn(1, 3, 4, 4)
