@@ -32,9 +32,9 @@ def test_bottleneck_pairs_become_chains_and_match_eager(blocks, mid, size, batch
 
 
 def test_a_chain_out_of_resources_runs_as_two_ops(monkeypatch, capsys):
-    """A GPU may not fit the chain kernel's untuned config (on an H100, ResNet-50's layer-2 pair took 262,744 bytes
-    of shared memory, over 232,448, and its launch raised). Triton raises as the kernel loads, before anything runs:
-    the pair then runs as its two convs, on every later call too, and says so once."""
+    """A GPU may not fit the chain kernel's untuned config (at two stages ResNet-50's layer-2 pair takes 639,672
+    bytes of shared memory, over an H100's 232,448: bench/chain_smem.py). Triton raises as the kernel loads, before
+    anything runs: the pair then runs as its two convs, on every later call too, and says so once."""
     from triton.runtime.errors import OutOfResources
 
     from resfuse.kernels import chain
