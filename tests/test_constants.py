@@ -28,8 +28,9 @@ class Model(nn.Module):
 
     def forward(self, x):
         out = sum(h(x).relu() for h in self.heads)
-        if self.scaled:  # a weight computed from a parameter: hoisted
-            out = out + x @ (self.scale * 0.5).t()
+        if self.scaled:  # a weight computed from a parameter, standardised as timm's StdConv does: hoisted
+            w = self.scale * 0.5
+            out = out + x @ ((w - w.mean(1, keepdim=True)) / (w.var(1, keepdim=True, unbiased=False) + 1e-5).sqrt()).t()
         if self.counter:  # a buffer the graph writes: what it computes from it stays in the graph
             self.count.add_(1)
             out = out * (self.count + self.scale[0])
