@@ -147,6 +147,29 @@ def test_values_keep_the_compiled_layout_and_their_addresses():
     torch.testing.assert_close(again, w.t() * 2)
 
 
+def test_a_failed_hoisting_leaves_the_graph_as_it_was(monkeypatch):
+    """Hoisting is only an optimisation: if it fails part-way, the graph it was rewriting is restored, runs as it
+    would without the switch, and the report says why."""
+    from resfuse.capture import constants
+
+    real = constants.hoist_constants
+
+    def half_done(gm, *args):
+        real(gm, *args)  # the graph rewritten, then a failure
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(backend, "hoist_constants", half_done)
+    torch.manual_seed(0)
+    model = Model(4, 3, True, False, False).eval()
+    torch._dynamo.reset()
+    compiled = resfuse.compile(model)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert any("not hoisted: RuntimeError: boom" in n for n in compiled.resfuse_report.notes)
+    assert not any("hoisted out of it" in r for r in compiled.resfuse_report.rewrites)
+
+
 def test_training_graphs_keep_their_parameter_computations():
     """Hoisting is for inference: a training graph differentiates through the concatenation."""
     torch.manual_seed(0)

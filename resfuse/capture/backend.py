@@ -78,12 +78,13 @@ def hoisted_constants(gm: fx.GraphModule, example_inputs, config: Config, graph:
     then reads them as inputs after its own. Only an optimisation: on failure, a note and gm as it was."""
     if graph != "inference" or not config.hoist_constants:
         return None
-    kept = copy.deepcopy(gm.graph)
+    kept, said = copy.deepcopy(gm.graph), len(report.rewrites)
     try:
         return hoist_constants(gm, example_inputs, cuda_graphs.static_inputs(gm, graph), report)
     except Exception as e:  # noqa: BLE001  the graph computes them itself, as without the switch
         gm.graph = kept
         gm.recompile()
+        del report.rewrites[said:]
         report.notes.append(f"{graph} graph: parameter-only values not hoisted: {type(e).__name__}: {str(e)[:200]}")
         return None
 
