@@ -51,16 +51,25 @@ class ChainConfig:
 
     def check(self, p: ChainProblem) -> bool:
         # registers: the z accumulator, a y chunk and half the x rows per thread, as the probe's sweep bore out
-        # (bench/results/chain_proto_sweep_twentyfifth_h100.log: wider tiles failed on shared memory or spilled).
-        # Shared memory is not bounded here: at two stages Triton's pipeliner buffers every unrolled chunk, so
-        # ResNet-50's layer-2 pair (128 > 512 > 128) takes 639,672 bytes against 50,176 at one stage
-        # (bench/chain_smem.py, compiled for sm_90). A config that does not fit fails as it loads; the tuner
-        # drops it, and `conv2d_chain` refuses it at run time (an untuned config).
+        # (bench/results/chain_proto_sweep_twentyfifth_h100.log: wider tiles failed on shared memory or spilled)
         regs = self.block_m * (p.n2 + self.block_n1 + p.k1 // 2) <= 192 * 32 * self.num_warps
         return (p.n1 % self.block_n1 == 0 and _pow2(self.block_m) and _pow2(self.block_n1) and regs
-                and self.num_warps in (4, 8) and self.num_stages in (1, 2) and self.persistent >= 1)
+                and self.num_warps in (4, 8) and self.num_stages in (1, 2) and self.persistent >= 1
+                and self.staged_bytes(p) <= SMEM_BYTES)
+
+    def staged_bytes(self, p: ChainProblem) -> int:
+        """Shared memory that a pipelined config takes at least: from two stages on, Triton's pipeliner keeps every
+        chunk of both weights in each stage, and 48 KB more besides (`python bench/chain_smem.py`, compiled for
+        sm_90: ResNet-50's layer-2 pair, 128 > 512 > 128, takes 639,672 bytes at two stages, of which 524,288 are
+        the weights twice, against 50,176 at one stage; the extra over the weights was 59-148 KB on the 10 configs
+        measured). One stage is not bounded here (16-83 KB there). A config that passes `check` and still does not
+        fit fails as it loads: the tuner drops it, and `conv2d_chain` refuses it at run time."""
+        if self.num_stages < 2:
+            return 0
+        return self.num_stages * p.dtype_bytes * p.n1 * (p.k1 + p.n2) + 48 * 1024
 
 
+SMEM_BYTES = 232448  # shared memory a block of an H100 may take (227 KB)
 # every config of this space measured on ResNet-50's pairs (run 2 of the probe); the tuner's fast level takes it all
 SPACE = {"block_m": (64,), "block_n1": (64, 128), "num_warps": (4,), "num_stages": (1, 2), "persistent": (1, 2)}
 
@@ -94,7 +103,7 @@ def refusal(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> str | None:
     if not nhwc_dense(x) or any(w.reshape(w.shape[0], -1).stride(1) != 1 for w in (w1, w2)):
         return "the chain kernel takes a channels_last input and dense 1x1 weights"
     if default_config(ChainProblem(0, k1, n1, n2, x.element_size(), 1)) is None:
-        return f"channels {k1} > {n1} > {n2}: no config of the chain kernel fits its registers"
+        return f"channels {k1} > {n1} > {n2}: no config of the chain kernel fits its registers and shared memory"
     return None
 
 

@@ -101,15 +101,16 @@ def test_chain_config_check():
 
 
 def test_chain_default_config_fits_or_the_pair_is_refused():
-    """The heuristic config (tuning "none") must pass `check`, or the pair is refused. ResNeXt-50's layer-2 pair
-    (256 > 512 > 256) and ResNet-50's layer-3 pair (256 > 1024 > 256) fit no config's registers, so neither is
-    ever compiled (the old default config was launched for them unchecked); ResNet-50's layer-1 and layer-2 pairs
-    keep the default they were tuned against."""
+    """The heuristic config (tuning "none") must pass `check`, or the pair is refused. ResNet-50's layer-1 pair
+    keeps the two-stage default it was tuned on; its layer-2 pair and the pair between them take one stage (two
+    stages do not fit their shared memory: the test below). ResNeXt-50's layer-2 pair (256 > 512 > 256) and
+    ResNet-50's layer-3 pair (256 > 1024 > 256) fit no config, so neither is ever compiled (the old default was
+    launched for them unchecked)."""
     import itertools
 
-    for k1, n1, n2 in ((64, 256, 64), (128, 512, 128)):
+    for k1, n1, n2, stages in ((64, 256, 64, 2), (64, 256, 128, 1), (128, 512, 128, 1)):
         p = chain.ChainProblem(m=6272, k1=k1, n1=n1, n2=n2, dtype_bytes=2, sms=132)
-        assert chain.default_config(p) == chain.ChainConfig()
+        assert chain.default_config(p) == chain.ChainConfig(num_stages=stages)
     odd = chain.ChainProblem(m=6272, k1=128, n1=48, n2=128, dtype_bytes=2, sms=132)
     assert chain.default_config(odd) == chain.ChainConfig(block_n1=16)
     for k1, n1, n2 in ((256, 512, 256), (256, 1024, 256)):
@@ -117,3 +118,31 @@ def test_chain_default_config_fits_or_the_pair_is_refused():
         assert chain.default_config(p) is None
         assert not any(chain.ChainConfig(**dict(zip(chain.SPACE, values))).check(p)
                        for values in itertools.product(*chain.SPACE.values()))
+
+
+def test_chain_configs_that_pass_check_fit_a_hopper_block(tmp_path):
+    """Compiled for sm_90 on this CPU (bench/chain_smem.py, a fresh process with a fake Hopper driver):
+    `staged_bytes` is at most what each config takes, and the configs `check` passes fit an H100 block. At two
+    stages the layer-1-to-2 pair (64 > 256 > 128) takes 262,744 bytes, which the old unchecked default launched."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    run = subprocess.run([sys.executable, "bench/chain_smem.py", "--pairs", "64>256>64,64>256>128,128>512>128",
+                          "--configs", "128x2,128x1,64x1"], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=1200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line.split() for line in run.stdout.splitlines()[1:] if line.strip()]
+    assert len(rows) == 9, run.stdout
+    refused = 0
+    for pair, bn1, stages, taken in rows:
+        k1, n1, n2 = map(int, pair.split(">"))
+        p = chain.ChainProblem(m=6272, k1=k1, n1=n1, n2=n2, dtype_bytes=2, sms=132)
+        cfg = chain.ChainConfig(block_n1=int(bn1), num_stages=int(stages))
+        assert cfg.staged_bytes(p) <= int(taken), (pair, bn1, stages)
+        if cfg.check(p):
+            assert int(taken) <= chain.SMEM_BYTES, (pair, bn1, stages)
+        refused += int(taken) > chain.SMEM_BYTES
+    assert refused == 2  # both pairs past layer 1's own, at two stages
