@@ -59,8 +59,8 @@ def main():
                 traceback.print_exc()
                 rows.append({"model": name, "autocast": autocast, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             print(json.dumps(rows[-1]), flush=True)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    Path(args.out, "zoo_smoke.json").write_text(json.dumps(rows, indent=1))
+            Path(args.out).mkdir(parents=True, exist_ok=True)  # after every row: a run cut off keeps what it did
+            Path(args.out, "zoo_smoke.json").write_text(json.dumps(rows, indent=1))
     print(f"\n{'model':22s} {'autocast':8s} {'rel err':>9s} {'fusions':>7s} {'s':>6s}  hoisted / notes / errors")
     for r in rows:
         if "error" in r:
