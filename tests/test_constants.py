@@ -170,6 +170,20 @@ def test_a_failed_hoisting_leaves_the_graph_as_it_was(monkeypatch):
     assert not any("hoisted out of it" in r for r in compiled.resfuse_report.rewrites)
 
 
+def test_a_dynamic_batch_reads_the_same_hoisted_values():
+    """A graph compiled with a symbolic batch: the parameter-only values have static shapes and are hoisted, and
+    every batch size reads them."""
+    torch.manual_seed(0)
+    model = Model(6, 3, True, False, False).eval()
+    torch._dynamo.reset()
+    compiled = resfuse.compile(model, dynamic=True)
+    with torch.no_grad():
+        for batch in (2, 3, 5, 2):
+            x = torch.randn(batch, 6)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5, msg=str(batch))
+    assert [r.split(": ")[1].split(" value")[0] for r in compiled.resfuse_report.rewrites if "hoisted" in r] == ["3"]
+
+
 def test_training_graphs_keep_their_parameter_computations():
     """Hoisting is for inference: a training graph differentiates through the concatenation."""
     torch.manual_seed(0)
