@@ -184,6 +184,28 @@ def test_a_dynamic_batch_reads_the_same_hoisted_values():
     assert [r.split(": ")[1].split(" value")[0] for r in compiled.resfuse_report.rewrites if "hoisted" in r] == ["3"]
 
 
+@pytest.mark.parametrize("budget", [1, 250])
+def test_values_past_the_budget_stay_in_the_graph(monkeypatch, budget):
+    """On a GPU the hoisted values may keep a tenth of its memory (`budget_bytes`); past that, the rest stay in the
+    graph, in graph order, with a note. Here the budget is forced: none of the 240 + 64 bytes, or part of them."""
+    monkeypatch.setattr(backend, "budget_bytes", lambda example_inputs: budget)
+    torch.manual_seed(0)
+    eager = Model(4, 3, True, False, False).eval()
+    ours = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(ours)
+    with torch.no_grad():
+        for how in ("none", "in place", "new parameter"):
+            _change(eager, how, 7)
+            _change(ours, how, 7)
+            x = torch.randn(2, 4)
+            torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-5, msg=how)
+    report = compiled.resfuse_report
+    hoisted = [int(r.split(": ")[1].split(" value")[0]) for r in report.rewrites if "hoisted out of it" in r]
+    left = [int(n.split(": ")[1].split(" of")[0]) for n in report.notes if "left in the graph" in n]
+    assert sum(hoisted) + sum(left) == 3 and left and (sum(hoisted) > 0) == (budget > 1)
+
+
 def test_training_graphs_keep_their_parameter_computations():
     """Hoisting is for inference: a training graph differentiates through the concatenation."""
     torch.manual_seed(0)

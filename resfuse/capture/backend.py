@@ -28,7 +28,7 @@ from ..passes.pad_channels import pad_channels_joint
 from ..passes.report import Report
 from ..tuning.progress import PROGRESS
 from . import cuda_graphs, inductor
-from .constants import hoist_constants
+from .constants import budget_bytes, hoist_constants
 
 # Graph kinds the passes rewrite: all of them (aot_autograd's inference graph, or training's forward and backward).
 REWRITTEN = ("inference", "forward", "backward")
@@ -80,7 +80,8 @@ def hoisted_constants(gm: fx.GraphModule, example_inputs, config: Config, graph:
         return None
     kept, said = copy.deepcopy(gm.graph), len(report.rewrites)
     try:
-        return hoist_constants(gm, example_inputs, cuda_graphs.static_inputs(gm, graph), report)
+        return hoist_constants(gm, example_inputs, cuda_graphs.static_inputs(gm, graph), report,
+                               budget_bytes(example_inputs))
     except Exception as e:  # noqa: BLE001  the graph computes them itself, as without the switch
         gm.graph = kept
         gm.recompile()
