@@ -4,7 +4,7 @@
 
 For each pair of 1x1 convs (x's channels > y's > z's, a bottleneck's tail with batch norm, residual and relu, then
 the next head with batch norm and relu) and each config (BN1 x stages), it records the launch the op would make
-(tuning/precompile.record) under a fake Hopper driver, as tests/kernels/test_compiles_for_hopper.py does, compiles
+(tuning/precompile.record) under a fake Hopper driver (bench/fake_hopper.py), compiles
 it with Triton and prints the bytes of shared memory the kernel takes (an H100 block gets at most 232,448). A pair
 the kernel refuses prints the refusal.
 """
@@ -18,27 +18,17 @@ from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not the interpreter
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.runtime import driver  # noqa: E402
 
+import fake_hopper  # noqa: E402
 
-class FakeHopper:
-    def get_current_device(self): return 0
-    def get_current_stream(self, device=None): return 0
-    def get_current_target(self): return GPUTarget("cuda", 90, 32)
-    def get_active_torch_device(self): return torch.device("cpu")
-    def is_active(self): return True
+fake_hopper.install()
 
-
-driver.set_active(FakeHopper())
-
-from resfuse.kernels import chain, plan  # noqa: E402
+from resfuse.kernels import chain  # noqa: E402
 from resfuse.ops import chain as chain_op  # noqa: E402
 from resfuse.tuning import precompile  # noqa: E402
-
-plan._pdl_supported = lambda device: True  # the kernels' programmatic-dependent-launch branch, as on a Hopper GPU
 TAIL, HEAD = "relu(add(bn[#1e-05](acc,c0,c1,c2,c3),full4))", "relu(bn[#1e-05](acc,c0,c1,c2,c3))"
 
 

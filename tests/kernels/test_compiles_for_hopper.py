@@ -14,24 +14,14 @@ import os
 import subprocess
 import sys
 
-SCRIPT = r'''
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = f"import sys\nsys.path.insert(0, {os.path.join(ROOT, 'bench')!r})\n" + r'''
 import re
 import torch
-from triton.backends.compiler import GPUTarget
-from triton.runtime import driver
+import fake_hopper
 
-
-class FakeHopper:
-    def get_current_device(self): return 0
-    def get_current_stream(self, device=None): return 0
-    def get_current_target(self): return GPUTarget("cuda", 90, 32)
-    def get_active_torch_device(self): return torch.device("cpu")
-    def is_active(self): return True
-
-
-driver.set_active(FakeHopper())
-from resfuse.kernels import conv2d_image, plan
-plan._pdl_supported = lambda device: True  # the kernels' programmatic-dependent-launch branch, as on a Hopper GPU
+fake_hopper.install()
+from resfuse.kernels import conv2d_image
 from resfuse.ops import chain as chain_op, fused, shortcut as shortcut_op
 from resfuse.providers import triton as provider
 from resfuse.tuning import precompile, workers
