@@ -81,13 +81,13 @@ def _masked(values, masked) -> list:
     return values
 
 
-def versions(tensors) -> tuple | None:
+def versions(tensors) -> list | None:
     """The tensors' version counters (what a derived value cached across calls compares: providers/fold_bn.py's
     folds, capture/constants.py's hoisted values), or None where one is an inference tensor (made under
     torch.inference_mode), which has none: what is derived from it is then derived again on every call. No check
     per tensor before the read: FoldWatch reads 265 counters before each ResNet-50 bs1 replay."""
     try:
-        return tuple(t._version for t in tensors)
+        return [t._version for t in tensors]
     except RuntimeError:  # "Inference tensors do not track version counter"
         return None
 
