@@ -53,25 +53,13 @@ def variant(peer: str):
     return lambda m: resfuse.compile(m, **options)
 
 
-class Autocast(torch.nn.Module):
-    """`model` run under torch.autocast(dtype): what each peer compiles when --autocast is given."""
-
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device_type: str = "cuda"):
-        super().__init__()
-        self.model, self.dtype, self.device_type = model, dtype, device_type
-
-    def forward(self, *args):
-        with torch.autocast(self.device_type, dtype=self.dtype):
-            return self.model(*args)
-
-
 def run_job(name: str, batch: int, peers: list[str], iters: int, autocast: bool = False) -> dict:
     device = torch.device("cuda")
     torch.backends.cudnn.benchmark = True
     model, inputs = models.load(name, batch, torch.float32 if autocast else torch.float16, device, image_size=224,
                                 seq=384)
     if autocast:
-        model = Autocast(model, torch.float16)
+        model = models.Autocast(model, torch.float16)
     sets = timing.input_sets(inputs)
     refs = timing.run_once(model, inputs)
     rows = []  # in the order run: a peer named twice (alternating A/B) keeps both measurements

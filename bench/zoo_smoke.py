@@ -23,14 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import resfuse  # noqa: E402
 from resfuse.bench import models, timing  # noqa: E402
-from ab import Autocast  # noqa: E402
 
 
 def check(name: str, batch: int, autocast: bool, device: str) -> dict:
     half = torch.float16 if device == "cuda" else torch.bfloat16
     model, inputs = models.load(name, batch, torch.float32 if autocast else half, device, image_size=224, seq=128)
     if autocast:
-        model = Autocast(model, half, device)
+        model = models.Autocast(model, half, device)
     refs = timing.run_once(model, inputs)
     torch._dynamo.reset()
     compiled = resfuse.compile(model, tuning="none")

@@ -13,6 +13,7 @@ import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
 import resfuse
+from resfuse.bench.models import Autocast
 from resfuse.capture import backend
 
 CHANGES = ("none", "in place", "new parameter", "data", "load_state_dict")
@@ -249,21 +250,11 @@ def test_cuda_graph_replays_read_the_refreshed_values():
     assert any("3 value(s)" in r and "hoisted" in r for r in compiled.resfuse_report.rewrites)
 
 
-class Autocast(nn.Module):
-    def __init__(self, model, device_type, dtype):
-        super().__init__()
-        self.model, self.device_type, self.dtype = model, device_type, dtype
-
-    def forward(self, x):
-        with torch.autocast(self.device_type, dtype=self.dtype):
-            return self.model(x)
-
-
 def test_autocast_weight_casts_are_hoisted_and_follow_an_update():
     """Under autocast each linear's fp32 weight and bias is cast on every call; hoisted, they are cast once and
     again after an in-place update."""
     torch.manual_seed(0)
-    eager = Autocast(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)), "cpu", torch.bfloat16).eval()
+    eager = Autocast(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)), torch.bfloat16, "cpu").eval()
     ours = copy.deepcopy(eager)
     torch._dynamo.reset()
     compiled = resfuse.compile(ours)
@@ -289,7 +280,7 @@ def test_autocast_conv_weights_fold_once_and_again_after_an_update():
     from .test_api import Block
 
     torch.manual_seed(0)
-    eager = Autocast(Block(16), "cuda", torch.float16).eval().cuda().to(memory_format=torch.channels_last)
+    eager = Autocast(Block(16), torch.float16).eval().cuda().to(memory_format=torch.channels_last)
     ours = copy.deepcopy(eager)
     torch._dynamo.reset()
     compiled = resfuse.compile(ours, tuning="fast", tuning_budget_s=60)

@@ -1,7 +1,8 @@
 """The benchmark's model zoo: a name in, an eval-mode model and its example inputs out.
 
-Entry point: `load(name, batch, dtype, device, channels_last=True, image_size=224, seq=384)`, called by
-`resfuse bench` (run.py) and by the CLI's `resfuse explain`. This is the first step of a benchmark run;
+Entry points: `load(name, batch, dtype, device, channels_last=True, image_size=224, seq=384)`, called by
+`resfuse bench` (run.py) and by the CLI's `resfuse explain`; `Autocast(model, dtype)`, a model run under
+torch.autocast (bench/ab.py --autocast). This is the first step of a benchmark run;
 nothing here knows about resfuse itself.
 
 Names (see `names()`):
@@ -142,6 +143,19 @@ class _FirstOutput(nn.Module):
 
     def forward(self, *args):
         return getattr(self.model(*args), self.field)
+
+
+class Autocast(nn.Module):
+    """`model` run under torch.autocast(device_type, dtype): mixed-precision inference of fp32 weights, as
+    bench/ab.py --autocast, bench/zoo_smoke.py and tests/test_constants.py compile it."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, device_type: str = "cuda"):
+        super().__init__()
+        self.model, self.dtype, self.device_type = model, dtype, device_type
+
+    def forward(self, *args):
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.model(*args)
 
 
 def _hf(name: str) -> nn.Module:
