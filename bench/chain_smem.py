@@ -11,7 +11,6 @@ the kernel refuses prints the refusal.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ fake_hopper.install()
 
 from resfuse.kernels import chain  # noqa: E402
 from resfuse.ops import chain as chain_op  # noqa: E402
-from resfuse.tuning import precompile  # noqa: E402
+from resfuse.tuning import precompile, workers  # noqa: E402
 TAIL, HEAD = "relu(add(bn[#1e-05](acc,c0,c1,c2,c3),full4))", "relu(bn[#1e-05](acc,c0,c1,c2,c3))"
 
 
@@ -38,22 +37,11 @@ def nhwc(*shape):
 
 
 def shared_bytes(k1: int, n1: int, n2: int, cfg: chain.ChainConfig) -> int:
-    import triton
-    from triton.compiler import ASTSource, make_backend
-
     bn = lambda c: [nhwc(c) for _ in range(4)]  # noqa: E731
     call = chain_op.call_of(nhwc(2, k1, 8, 8), nhwc(n1, k1, 1, 1), [*bn(n1), nhwc(2, n1, 8, 8)], TAIL,
                             nhwc(n2, n1, 1, 1), bn(n2), HEAD)
     (spec,) = precompile.record([lambda: chain_op.run_chain(call, cfg)])
-    module = sys.modules.get(spec["module"])
-    if module is None:  # codegen.load_source's file, imported by path as the tuner's workers do
-        loaded = importlib.util.spec_from_file_location(spec["module"], spec["path"])
-        module = sys.modules[spec["module"]] = importlib.util.module_from_spec(loaded)
-        loaded.loader.exec_module(module)
-    options = make_backend(spec["target"]).parse_options(dict(spec["options"]))
-    kernel = triton.compile(ASTSource(getattr(module, spec["name"]), spec["signature"], spec["constants"],
-                                      spec["attrs"]), target=spec["target"], options=options.__dict__)
-    return kernel.metadata.shared
+    return workers.compiled(spec).metadata.shared
 
 
 def main():

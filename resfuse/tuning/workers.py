@@ -149,6 +149,13 @@ def compile_spec(spec: dict) -> bool:
         from ..providers import cudnn
 
         return cudnn.build_engine(spec)
+    compiled(spec)
+    return True
+
+
+def compiled(spec: dict):
+    """One recorded Triton kernel compiled (into Triton's on-disk cache): its CompiledKernel (bench/chain_smem.py
+    reads its shared memory)."""
     import triton
     from triton.compiler import ASTSource, make_backend
 
@@ -163,9 +170,8 @@ def compile_spec(spec: dict) -> bool:
         module = importlib.import_module(spec["module"])
     jit = getattr(module, spec["name"])
     options = make_backend(spec["target"]).parse_options(dict(spec["options"]))
-    triton.compile(ASTSource(jit, spec["signature"], spec["constants"], spec["attrs"]), target=spec["target"],
-                   options=options.__dict__)
-    return True
+    return triton.compile(ASTSource(jit, spec["signature"], spec["constants"], spec["attrs"]), target=spec["target"],
+                          options=options.__dict__)
 
 
 def _serve() -> None:
