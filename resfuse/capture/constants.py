@@ -84,7 +84,7 @@ def hoist_constants(gm: fx.GraphModule, example_inputs, static, report, budget: 
     graph.lint()
     gm.recompile()
     kept = sum(v.numel() * v.element_size() for v in new_inputs)
-    ops = sorted({str(n.target).split(".")[-2] if "." in str(n.target) else str(n.target) for n in hoisted})
+    ops = sorted({getattr(n.target, "overloadpacket", n.target).__name__ for n in hoisted})  # aten.cat.default: cat
     report.rewrites.append(f"inference graph: {len(hoisted)} value(s) computed from parameters alone "
                            f"({', '.join(ops)}) hoisted out of it: computed again only when a parameter changes "
                            f"({kept / 1e6:.1f} MB kept)")

@@ -214,7 +214,7 @@ class ChainPlan:
         self.kernel[self.grid](*descs, *self.head, *ops1, *ops2, **self.meta)
 
 
-_PLANS: dict = {}
+_PLANS: dict = {}  # plan_key -> ChainPlan, or the reason its config failed to load (conv2d_chain)
 
 
 def conv2d_chain(x, w1, operands1, signature1: str, w2, operands2, signature2: str, y: torch.Tensor,
