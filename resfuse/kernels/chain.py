@@ -28,7 +28,7 @@ import triton
 
 from .. import epilogue as epi
 from . import codegen, options
-from .plan import descriptor_operands, operand_args, operand_strides, pdl_meta, plan_key, sm_count
+from .plan import Launcher, descriptor_operands, operand_args, operand_strides, pdl_meta, plan_key, sm_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +202,7 @@ class ChainPlan:
         self.config = cfg
         self.meta = dict(K1=k1, N1=n1, N2=n2, BM=bm, BN1=bn1, PRECISION="upcast" if upcast else "ieee",
                          num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_meta(x.device))
+        self.launcher = Launcher(self.kernel, self.grid, self.meta)
 
     def launch(self, x, w1, w2, operands1, signature1, operands2, signature2, y, z):
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -211,7 +212,7 @@ class ChainPlan:
         descs = [TensorDescriptor.from_tensor(t, box) for t, box in zip(mats, self.boxes)]
         ops1 = operand_args(operands1, self.strides1, self.slots1, signature1, y.shape, 1)
         ops2 = operand_args(operands2, self.strides2, self.slots2, signature2, z.shape, 1)
-        self.kernel[self.grid](*descs, *self.head, *ops1, *ops2, **self.meta)
+        self.launcher(*descs, *self.head, *ops1, *ops2)
 
 
 _PLANS: dict = {}  # plan_key -> ChainPlan, or the reason its config failed to load (conv2d_chain)

@@ -93,8 +93,6 @@ def tma_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, bool] 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, operands, signature: str, out: torch.Tensor,
          config: GemmConfig | None = None, aux: torch.Tensor | None = None) -> torch.Tensor:
-    if config is not None and config.tma and tma_operands(a, b) is None:
-        config = dataclasses.replace(config, tma=False)  # say a sliced, misaligned view: the pointer mainloop
     key = plan_key("gemm", signature, config, options()["split_k"], a, b, out, aux, *operands)
     return cached_launch(key, lambda: _gemm_plan(a, b, operands, signature, out, config), (a, b), out, operands,
                           signature, -1, aux)
@@ -174,8 +172,15 @@ def conv_as_gemm(x: torch.Tensor, w: torch.Tensor, stride, padding, out_strides)
     if (w.shape[2:] != (1, 1) or list(stride) != [1, 1] or list(padding) != [0, 0] or w.shape[1] != c
             or not x.permute(0, 2, 3, 1).is_contiguous() or out_strides[2] != wd * out_strides[3]):
         return None
-    a, b = x.permute(0, 2, 3, 1).reshape(n * h * wd, c), w.reshape(w.shape[0], c).t()
+    a, b = gemm_views(x, w)
     return (a, b) if tma_operands(a, b) is not None else None
+
+
+def gemm_views(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """conv_as_gemm's views without its checks: what a plan's calls take, once its first call (whose shapes,
+    strides and alignment the plan's key fixes) has passed them."""
+    n, c, h, wd = x.shape
+    return x.permute(0, 2, 3, 1).reshape(n * h * wd, c), w.reshape(w.shape[0], c).t()
 
 
 def dgrad_as_gemm(grad_out: torch.Tensor, w: torch.Tensor, stride, padding, out_strides):
@@ -212,9 +217,6 @@ def conv2d(x: torch.Tensor, w: torch.Tensor, operands, signature: str, stride, p
         return cached_launch(
             key, lambda: _depthwise_plan(x, w, operands, signature, stride, padding, dilation, out, config),
             (x, w), out, operands, signature, 1, aux)
-    if (config is not None and config.tma and conv_as_gemm(x, w, stride, padding, out.stride()) is None
-            and conv_tma_operands(x, w, stride) is None):
-        config = dataclasses.replace(config, tma=False)
     key = plan_key("conv2d", signature, tuple(stride), tuple(padding), tuple(dilation), config, options()["split_k"],
                x, w, out, aux, *operands)
     return cached_launch(key, lambda: _conv_plan(x, w, operands, signature, stride, padding, dilation, out, config),
@@ -234,10 +236,8 @@ def _conv_plan(x, w, operands, signature, stride, padding, dilation, out, config
     split = _split(cfg.split_k)
     tiles = triton.cdiv(nb * oh * ow, cfg.block_m) * triton.cdiv(ko, cfg.block_n)
     s_on, s_ok, s_oh, s_ow = out.stride()
-    out_strides = out.stride()  # what the descriptors' closure keeps, not `out`: the cached plan would keep it alive
-    if cfg.tma and conv_as_gemm(x, w, stride, padding, out_strides) is not None:  # a 1x1 conv as a GEMM
-        return _tma_plan(lambda x, w: conv_as_gemm(x, w, stride, padding, out_strides), (x, w), operands,
-                         signature, out, 1, cfg, split, tiles, (oh * ow, s_on, s_ow, s_ok))
+    if cfg.tma and conv_as_gemm(x, w, stride, padding, out.stride()) is not None:  # a 1x1 conv as a GEMM
+        return _tma_plan(gemm_views, (x, w), operands, signature, out, 1, cfg, split, tiles, (oh * ow, s_on, s_ow, s_ok))
     if cfg.tma and conv_tma_operands(x, w, stride) is not None:
         return _tma_conv_plan(x, w, operands, signature, out, cfg, split, padding, dilation)
     head = [nb, h, wd, c, ko, oh, ow, r, s, *x.stride(), *w.stride(), s_on, s_oh, s_ow, stride[0], stride[1],
@@ -309,8 +309,6 @@ def conv2d_dgrad(grad_out: torch.Tensor, w: torch.Tensor, operands, signature: s
     grad_out is [N, K, OH, OW], w the forward weight [K, C, R, S], out the preallocated grad_input [N, C, H, W]:
     its H and W (the forward input's) settle what a strided conv's output size leaves open. Any strides.
     """
-    if config is not None and config.tma and dgrad_as_gemm(grad_out, w, stride, padding, out.stride()) is None:
-        config = dataclasses.replace(config, tma=False)  # not a plain GEMM: the implicit-GEMM mainloop
     key = plan_key("conv2d_dgrad", signature, tuple(stride), tuple(padding), tuple(dilation), config,
                options()["split_k"], grad_out, w, out, *operands)
     return cached_launch(
@@ -342,10 +340,9 @@ def _dgrad_plan(grad_out, w, operands, signature, stride, padding, dilation, out
     tiles_m = triton.cdiv(nb * triton.cdiv(h, stride[0]) * triton.cdiv(wd, stride[1]), cfg.block_m)  # per phase
     tiles = tiles_m * triton.cdiv(c, cfg.block_n)
     s_on, s_oc, s_oh, s_ow = out.stride()
-    out_strides = out.stride()  # as in _conv_plan
-    if cfg.tma and dgrad_as_gemm(grad_out, w, stride, padding, out_strides) is not None:  # a 1x1 dgrad
-        return _tma_plan(lambda g, w: dgrad_as_gemm(g, w, stride, padding, out_strides), (grad_out, w), operands,
-                         signature, out, 1, cfg, split, tiles, (h * wd, s_on, s_ow, s_oc))
+    if cfg.tma and dgrad_as_gemm(grad_out, w, stride, padding, out.stride()) is not None:  # a 1x1 dgrad
+        return _tma_plan(lambda g, w: gemm_views(g, w.transpose(0, 1)), (grad_out, w), operands, signature, out, 1,
+                         cfg, split, tiles, (h * wd, s_on, s_ow, s_oc))
     (gcd_h, inv_h), (gcd_w, inv_w) = tap_inverse(stride[0], dilation[0]), tap_inverse(stride[1], dilation[1])
     head = [nb, h, wd, c, ko, oh, ow, r, s, *grad_out.stride(), *w.stride(), s_on, s_oh, s_ow,
             stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1], gcd_h, gcd_w, inv_h, inv_w, s_oc]

@@ -1,7 +1,8 @@
 """Plans: what one launch of a fused kernel needs that depends only on shapes, strides, dtypes and the config,
 computed once per key and reused (launch.py builds them, batch_norm*.py too).
 
-Entry points: `Plan` (its `launch` fills in the tensors, each call), `plan_key`, `cached_launch`, `operand_strides`
+Entry points: `Plan` (its `launch` fills in the tensors, each call), `Launcher` (a plan's launches of its kernel,
+past the first without Triton's JIT), `plan_key`, `cached_launch`, `operand_strides`
 (each operand's [S, P, C] strides), `descriptor_operands` (the full operands a TMA family reads through tensor
 descriptors), `operand_args` (an epilogue's kernel arguments, from those two), `pdl_meta` (programmatic dependent
 launch's options) and `sm_count`.
@@ -45,6 +46,44 @@ def pdl_meta(device: torch.device) -> dict:
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
+class Launcher:
+    """`kernel[grid](*args, **meta)` for one plan's fixed grid and meta, where only the tensors change between calls.
+
+    The first launch goes through Triton's JIT, which binds the arguments, specialises, compiles and launches. Later
+    ones on the same device call the compiled kernel directly (its launcher, as `CompiledKernel[grid]` gives it),
+    with the constexpr values appended as the JIT appends them: the JIT's binding and specialisation cost 84 us of
+    host time a launch on the H100 machine's host, most of an un-graphed call's (bench/host_split.py). This is
+    safe because a plan's key (`plan_key`) fixes what the JIT specialises on: every int argument (shapes, strides,
+    the config), and each tensor's dtype and 16-byte alignment; the other tensors a launch passes (split-K's
+    workspace, a statistics scratch) are fresh allocations, always aligned. Under the interpreter the JIT returns
+    no compiled kernel, and every launch goes through it."""
+
+    def __init__(self, kernel, grid: tuple, meta: dict):
+        self.kernel, self.grid, self.meta = kernel, grid, meta
+        self.direct, self.tail, self.device = None, (), None  # direct: False once found not to apply
+
+    def __call__(self, *args) -> None:
+        if self.direct and torch.cuda.current_device() == self.device:
+            self.direct(*args, *self.tail)
+            return
+        compiled = self.kernel[self.grid](*args, **self.meta)
+        if self.direct is None:
+            self.direct = self._direct(compiled, len(args))
+
+    def _direct(self, compiled, given: int):
+        """The compiled kernel's launcher at this grid, and the constexpr values that follow the positional
+        arguments in the kernel's parameter order; False where there is none (the interpreter)."""
+        if not all(hasattr(compiled, a) for a in ("__getitem__", "function", "packed_metadata")):
+            return False
+        tail = []
+        for param in self.kernel.params[given:]:
+            if param.name not in self.meta and not param.has_default:
+                return False
+            tail.append(self.meta.get(param.name, param.default))
+        self.tail, self.device = tuple(tail), torch.cuda.current_device()
+        return compiled[(*self.grid, 1, 1)[:3]]  # the compiled launcher reads three grid dims, as the JIT gives it
+
+
 class Plan:
     """Everything about one launch that depends only on shapes, strides, dtypes and the config, computed once
     per such key (the host time per call was mostly this, ~100 us a fused op): the kernel, the grid, the
@@ -53,9 +92,10 @@ class Plan:
     def __init__(self, kernel, grid, head: list, operand_strides: list, meta: dict, ws_shape: tuple,
                  device: torch.device, prepare=None, row_blocks: int = 0, operand_boxes: dict | None = None,
                  out_box: tuple | None = None):
-        self.kernel, self.grid, self.head, self.ws_shape = kernel, grid, head, ws_shape
+        self.grid, self.head, self.ws_shape = grid, head, ws_shape
         self.row_blocks = row_blocks  # the mainloop's row_block count (codegen.Family): a bn_stats root's partials
         self.meta = dict(meta, **pdl_meta(device))
+        self.kernel = Launcher(kernel, grid, self.meta)
         self.operand_strides = operand_strides  # None where the [S, P, C] view is not a view (a copy each call)
         self.prepare = prepare  # the inputs -> what the kernel takes for them (TMA descriptors), or None
         self.operand_boxes = operand_boxes or {}  # slot -> a descriptor's (shape, strides, box): descriptor_operands
@@ -74,7 +114,7 @@ class Plan:
         if stats is not None:
             partials = torch.empty((*stats.shape, self.row_blocks), dtype=torch.float32, device=out.device)
             outs += (partials, self.row_blocks)
-        self.kernel[self.grid](*outs, ws, tickets, *tensors, *self.head, *op_args, **self.meta)
+        self.kernel(*outs, ws, tickets, *tensors, *self.head, *op_args)
         if stats is not None:
             torch.sum(partials, -1, out=stats)
         return out

@@ -33,7 +33,7 @@ import triton
 from .. import epilogue as epi
 from . import codegen, options
 from .chain import nhwc_dense, pixel_rows, unaligned
-from .plan import descriptor_output, operand_args, operand_strides, pdl_meta, plan_key, sm_count
+from .plan import Launcher, descriptor_output, operand_args, operand_strides, pdl_meta, plan_key, sm_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,6 +197,7 @@ class ShortcutPlan:
                          OUT_TMA=self.out_box is not None,
                          PRECISION="upcast" if upcast else "ieee", num_warps=cfg.num_warps,
                          num_stages=cfg.num_stages, **pdl_meta(y.device))
+        self.launcher = Launcher(self.kernel, self.grid, self.meta)
 
     def launch(self, y, w1, operands1, signature1, x, w2, operands2, signature2, z):
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -206,7 +207,7 @@ class ShortcutPlan:
         ops1 = operand_args(operands1, self.strides1, {}, signature1, z.shape, 1)
         ops2 = [] if signature2 is None else operand_args(operands2, self.strides2, {}, signature2, z.shape, 1)
         out = TensorDescriptor(z, *self.out_box) if self.out_box else z
-        self.kernel[self.grid](descs[0], descs[1], x, descs[2], out, *self.head, *ops1, *ops2, **self.meta)
+        self.launcher(descs[0], descs[1], x, descs[2], out, *self.head, *ops1, *ops2)
 
 
 _PLANS: dict = {}
