@@ -238,7 +238,9 @@ class Group:
 
 def _keep_topological(graph: fx.Graph, new: fx.Node) -> None:
     """The fused op sits where the group's last node was. When an output is used before that (batch norm's
-    statistics, by the running-stat copies), move the op and its getitems up to just after its last input."""
+    statistics, by the running-stat copies), move the op and its getitems up to just after its last input. Readers
+    still before them (the new running statistics cast back to fp16/bf16 buffers, where the op's last input is a
+    residual computed later than the batch norm), and whatever reads those before them, move down to just after."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     items = [u for u in new.users if u.target is operator.getitem]
     if all(order[u] > order[new] for n in [new, *items] for u in n.users):
@@ -246,6 +248,19 @@ def _keep_topological(graph: fx.Graph, new: fx.Node) -> None:
     anchor = max(new.all_input_nodes, key=order.__getitem__)
     for n in reversed([new, *sorted(items, key=order.__getitem__)]):
         anchor.append(n)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    outputs = [new, *items]
+    tail = max(outputs, key=order.__getitem__)
+    early, stack = set(), [u for n in outputs for u in n.users if order[u] < order[tail] and u not in outputs]
+    while stack:
+        u = stack.pop()
+        if u not in early:
+            if legality.mutates(u):
+                raise NotImplementedError(f"{u.name} writes in place and would move past {new.name}'s inputs")
+            early.add(u)
+            stack += [v for v in u.users if order[v] < order[tail]]
+    for u in sorted(early, key=order.__getitem__, reverse=True):
+        tail.append(u)
 
 
 def fake_call(target, args):

@@ -56,7 +56,7 @@ def sole_consumer(node: fx.Node) -> str | None:
     return None
 
 
-def _mutates(node: fx.Node) -> bool:
+def mutates(node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     return node.op == "call_function" and schema is not None and schema.is_mutable
 
@@ -66,9 +66,9 @@ def no_mutation(*nodes: fx.Node) -> str | None:
     for n in nodes:
         if not isinstance(n, fx.Node):
             continue
-        if _mutates(n):
+        if mutates(n):
             return f"{n.name} mutates its inputs"
-        hit = next((u.name for u in n.users if _mutates(u)), None)
+        hit = next((u.name for u in n.users if mutates(u)), None)
         if hit:
             return f"{n.name} is mutated by {hit}"
     return None
