@@ -1,6 +1,6 @@
 """Where an un-graphed resfuse call spends its host time, layer by layer of our Python (GPU machine).
 
-  python bench/host_split.py [--jobs resnet50:32,hf-bert-base:32] [--calls 50] --out $OUT
+  python bench/host_split.py [--jobs resnet50:32,hf-bert-base:32,resnet50:16:train] [--calls 50] --out $OUT
 
 cProfile (bench/host_profile.py) inflates every small Python call several times over. Here each layer of the
 path is wrapped in a perf_counter timer instead: the custom op as Inductor's code calls it (dispatcher
@@ -8,9 +8,13 @@ included), our implementation under it, the tuner's lookup, the call description
 launcher and the cuDNN frontend's execute. Times are inclusive (a layer contains the ones under it), in us of
 host time per model call, with the GPU never the bottleneck (launches are asynchronous and the GPU's time per
 call is a tenth of the host's). Also times eager, and one aten add on a tiny tensor as this host's yardstick.
+Each job is timed with plan.Launcher's direct launches off and on, in alternation (the host's speed drifts), first
+without the timers; a job NAME:BATCH:train times a training step (forward, backward, SGD) at tuning="none".
 """
 import argparse
 import collections
+import contextlib
+import copy
 import functools
 import json
 import os
@@ -92,6 +96,8 @@ def set_mode(direct: bool) -> None:
             launcher = getattr(p, "kernel", None) if isinstance(p, plan.Plan) else getattr(p, "launcher", None)
             if launcher is not None:
                 launcher.direct = None
+    for launcher in plan._LAUNCHERS.values():
+        launcher.direct = None
 
 
 def host_us(fn, x, calls):
@@ -106,6 +112,13 @@ def host_us(fn, x, calls):
     wall = time.perf_counter() - t0
     torch.cuda.synchronize()
     return wall / calls * 1e6
+
+
+def train_step(fn, opt, x) -> None:
+    loss = fn(x).float().square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
 
 def rel_err(out, ref) -> float:
@@ -127,10 +140,22 @@ def main():
     small = torch.zeros(8, device="cuda")
     add_us = host_us(lambda t: torch.add(t, 1), small, 2000)
     result, lines = {"host_add_us": add_us, "jobs": {}}, [f"one aten add on this host: {add_us:.1f} us"]
-    compiled = {}
+    compiled, train_jobs = {}, {}
     for job in args.jobs.split(","):  # every job compiled before the timers go in (they replace the ops' targets)
-        name, batch = job.split(":")
+        name, batch, *train = job.split(":")
         model, (x,) = models.load(name, int(batch), torch.float16, "cuda")
+        if train:  # a training step (fp16 weights, SGD) on the heuristic configs: every op on our kernels
+            steps = {}
+            for peer in ("eager", "resfuse"):
+                torch.manual_seed(0)
+                m = copy.deepcopy(model).train()
+                opt = torch.optim.SGD(m.parameters(), lr=1e-4)
+                torch._dynamo.reset()
+                fn = m if peer == "eager" else resfuse.compile(m, tuning="none")
+                steps[peer] = functools.partial(train_step, fn, opt)
+            eager_us = host_us(steps["eager"], x, args.calls)
+            train_jobs[job] = (steps["resfuse"], x, eager_us)
+            continue
         with torch.no_grad():
             eager_us = host_us(model, x, args.calls)
             ref = model(x)
@@ -138,11 +163,11 @@ def main():
             fn = resfuse.compile(model, cuda_graphs=False)
             fn(x)
         compiled[job] = (fn, x, ref, eager_us)
-    summary = ["uninstrumented, us of host time a call:"]
-    for job, (fn, x, ref, eager_us) in compiled.items():
+    summary = ["uninstrumented, us of host time a call (a training step for :train jobs):"]
+    for job, (fn, x, *_, eager_us) in [*compiled.items(), *train_jobs.items()]:
         for mode, direct in MODES:
             set_mode(direct)
-            with torch.no_grad():
+            with torch.no_grad() if job in compiled else contextlib.nullcontext():
                 us = host_us(fn, x, args.calls)
             result["jobs"].setdefault(job, {"eager_us": eager_us, "clean": [], "modes": {}})["clean"].append(
                 (mode, us))

@@ -372,3 +372,19 @@ def _train_against_eager(autocast, tol, **options):
         assert rel(q, p) < tol, name
     assert rel(mine.b2.running_var, eager.b2.running_var) < tol
     return compiled
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
+def test_an_eval_model_called_with_grad_enabled_runs_right_and_says_how_to_be_fast():
+    """Autograd recording makes training graphs, which replay no CUDA graphs by default: the report says so, and
+    how to get the inference graph; the numbers still match eager's."""
+    torch.manual_seed(0)
+    block = Block().cuda().half().to(memory_format=torch.channels_last).eval()
+    torch._dynamo.reset()
+    compiled = resfuse.compile(block, tuning="none")
+    x = torch.randn(2, 8, 9, 7, device="cuda", dtype=torch.half).to(memory_format=torch.channels_last)
+    out = compiled(x)
+    with torch.no_grad():
+        assert rel(out.detach().float(), block(x).float()) < 5e-3
+    assert any("torch.no_grad()" in n for n in compiled.resfuse_report.notes), compiled.resfuse_report.notes

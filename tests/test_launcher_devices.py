@@ -1,10 +1,12 @@
-"""plan.Launcher: past a plan's first launch, its kernel is called without Triton's JIT on a GPU, and every launch
-still computes the right thing, fresh inputs each time; a tensor at another alignment gets a plan of its own."""
+"""plan.Launcher and plan.launch: past the first launch, a kernel is called without Triton's JIT on a GPU, and every
+launch still computes the right thing, fresh inputs each time; a tensor at another alignment gets its own."""
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
-from resfuse.kernels import launch
+from resfuse.kernels import launch, plan
 from tests.kernel_devices import DEVICES, skip_unless_available
 
 SIG = "relu(add(add(acc,c0),full1))"
@@ -60,3 +62,26 @@ def test_an_operand_at_another_alignment_gets_its_own_plan(device):
         tol = 2e-2 if device == "cuda" else 1e-4
         torch.testing.assert_close(out.double(), _reference(x, w, bias, r, 1), rtol=tol, atol=tol)
     assert len(launch._PLANS) == plans + 2
+
+
+@triton.jit
+def _axpy(x, y, out, n, a, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out + offs, a * tl.load(x + offs, mask=mask) + tl.load(y + offs, mask=mask), mask=mask)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_launch_without_a_plan_keys_on_what_the_jit_specialises(device):
+    """plan.launch: a float argument is passed each time (a new value reuses the launcher); an int or a tensor's
+    alignment that the JIT specialises on (n == 1, an odd offset) gets a launcher of its own."""
+    skip_unless_available(device)
+    storage = torch.randn(4, 40, device=device)
+    before = len(plan._LAUNCHERS)
+    cases = [(0, 33, 1.5), (0, 33, -2.0), (0, 33, 0.25), (1, 33, 1.5), (0, 1, 1.5), (1, 33, -3.0)]
+    for offset, n, a in cases:
+        x, y = storage[0, offset:offset + n], storage[1, offset:offset + n]
+        out = torch.full((n,), float("nan"), device=device)
+        plan.launch(_axpy, (triton.cdiv(n, 16),), x, y, out, n, a, BLOCK=16)
+        torch.testing.assert_close(out, a * x + y)
+    assert len(plan._LAUNCHERS) == before + 3  # aligned n=33, odd offset n=33, n=1

@@ -64,6 +64,13 @@ def compile_graph(gm: fx.GraphModule, example_inputs, *, config: Config, graph: 
     if constants:
         example_inputs = constants.example_inputs
     graphed_here = cuda_graphs.wanted(config.cuda_graphs, graph, example_inputs)
+    if graph == "forward" and config.cuda_graphs is None and cuda_graphs.on_cuda(example_inputs):
+        note = ("training graphs run without CUDA graphs by default, and autograd was recording here (a training "
+                "step, or a model called with grad enabled): each fused op costs about 0.1 ms of host time a call, "
+                "so small batches are launch-bound. cuda_graphs=True replays them; for inference, call the model "
+                "under torch.no_grad() or torch.inference_mode()")
+        if note not in report.notes:
+            report.notes.append(note)
     why_not = cuda_graphs.refusal(gm, graph) if graphed_here else None  # before lowering: reads op schemas
     built = build(gm, example_inputs, config, graph, report)
     if graphed_here:

@@ -43,7 +43,7 @@ from . import codegen
 from .codegen import Family
 from .activations import sum_rows
 from .elementwise import ewise_mainloop
-from .plan import Plan, operand_strides, pdl_meta, plan_key, sm_count
+from .plan import Plan, launch, operand_strides, pdl_meta, plan_key, sm_count
 from .tiles import cdiv, dependent_launch
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -317,14 +317,14 @@ class _BnPlan:
         params = [t if t is not None else ws for t in (weight, bias, running_mean, running_var, rm_out, rv_out)]
         flags = {"HAS_W": self.has_w, "HAS_B": self.has_b, "HAS_RUNNING": self.has_running, **self.pdl}
         if sums is not None:
-            bn_finalize_sums_kernel[(triton.cdiv(self.c, cfg.block_c),)](
+            launch(bn_finalize_sums_kernel, (triton.cdiv(self.c, cfg.block_c),),
                 sums, x, ws, save_mean, save_invstd, *params, self.m, self.c, self.rps, *self.x_strides,
                 float(momentum), float(eps), BP=cfg.block_p, BC=cfg.block_c, num_warps=cfg.num_warps, **flags)
             return x, save_mean, save_invstd, ws, rm_out, rv_out
-        bn_partials_kernel[(self.splits, triton.cdiv(self.c, cfg.block_c))](
+        launch(bn_partials_kernel, (self.splits, triton.cdiv(self.c, cfg.block_c)),
             x, ws, self.m, self.c, self.rps, *self.x_strides, self.tiles_per_split, self.splits,
             BP=cfg.block_p, BC=cfg.block_c, num_warps=cfg.num_warps, **self.pdl)
-        bn_finalize_kernel[(triton.cdiv(self.c, self.finalize_c),)](
+        launch(bn_finalize_kernel, (triton.cdiv(self.c, self.finalize_c),),
             ws, save_mean, save_invstd, *params, self.m, self.c, self.splits, self.tiles_per_split * cfg.block_p,
             float(momentum), float(eps), BC=self.finalize_c, BR=cfg.block_r, **flags)
         return x, save_mean, save_invstd, ws, rm_out, rv_out

@@ -38,7 +38,7 @@ import triton.language as tl
 from .. import epilogue as epi
 from .activations import sum_rows
 from .batch_norm import _DTYPES, TILE, BnConfig, _is_view3, _row_offsets, row_splits
-from .plan import pdl_meta, plan_key
+from .plan import launch, pdl_meta, plan_key
 from .tiles import cdiv, dependent_launch
 
 
@@ -170,7 +170,7 @@ class _BnbPlan:
         cfg, blocks_c = self.cfg, triton.cdiv(self.c, self.cfg.block_c)
         second = norms[-1]
         if sums is None:
-            bnb_partials_kernel[(splits, blocks_c)](
+            launch(bnb_partials_kernel, (splits, blocks_c),
                 g, x, norms[0].save_mean, second.x, second.save_mean, ws[n_coef:], self.m, self.c, self.rps,
                 *self.strides[:6], self.tiles_per_split, splits, BP=cfg.block_p, BC=cfg.block_c, DUAL=dual,
                 num_warps=cfg.num_warps, **self.pdl)
@@ -181,14 +181,14 @@ class _BnbPlan:
             grad_w = torch.empty(self.c, dtype=grad_dtype, device=x.device) if mask[1] else None
             grad_b = torch.empty(self.c, dtype=grad_dtype, device=x.device) if mask[2] else None
             coefs.append(ws[3 * self.c * k:])
-            bnb_finalize_kernel[(triton.cdiv(self.c, self.finalize_c),)](
+            launch(bnb_finalize_kernel, (triton.cdiv(self.c, self.finalize_c),),
                 coefs[k], part, part[(1 + k) * splits * self.c:], n.save_invstd,
                 *(t if t is not None else ws for t in (n.weight, grad_w, grad_b)), self.m, self.c, splits,
                 BC=self.finalize_c, BR=cfg.block_r, HAS_W=n.weight is not None, WANT_W=bool(mask[1]),
                 WANT_B=bool(mask[2]), **self.pdl)
             results += [n.grad_input if mask[0] else None, grad_w, grad_b]
         if mask[0]:
-            bnb_apply_kernel[(triton.cdiv(self.m, cfg.block_p) * blocks_c,)](
+            launch(bnb_apply_kernel, (triton.cdiv(self.m, cfg.block_p) * blocks_c,),
                 g, x, norms[0].save_mean, coefs[0], norms[0].grad_input, second.x, second.save_mean, coefs[-1],
                 second.grad_input, self.m, self.c, self.rps, *self.strides, BP=cfg.block_p, BC=cfg.block_c,
                 DUAL=dual, num_warps=cfg.num_warps, **self.pdl)

@@ -37,7 +37,7 @@ from .. import epilogue as epi
 from . import codegen, options
 from .chain import nhwc_dense
 from .max_pool import _big, _rows
-from .plan import operand_args, operand_strides, pdl_meta
+from .plan import launch, operand_args, operand_strides, pdl_meta
 from .tiles import cdiv, dependent_launch, mma
 
 CP = 4  # channels of the padded image: one pixel is 8 bytes at fp16
@@ -195,14 +195,14 @@ def image_conv(x: torch.Tensor, w: torch.Tensor, stride, padding, out: torch.Ten
     pixels = n * hp * wp
     big = _big(x, xp, out)
     pdl = pdl_meta(x.device)
-    pad_image_kernel[(triton.cdiv(pixels, PAD_BM) + r,)](
+    launch(pad_image_kernel, (triton.cdiv(pixels, PAD_BM) + r,),
         x, w, xp, packed, pixels, c, h, wd, hp, wp, padding[0], padding[1], k, s, *x.stride(), *w.stride(),
         BIG=big, BM=PAD_BM, CP=CP, KP=kp, BK=bk, num_warps=WARPS, **pdl)
     m = n * oh * ow
     upcast = out.dtype == torch.bfloat16 and options()["interpret"]  # see tiles.mma
     kernel = codegen.load_source("image_conv", signature, lambda: source(signature))
     ops = operand_args(operands, operand_strides(signature, operands, out.shape, 1), {}, signature, out.shape, 1)
-    kernel[(triton.cdiv(m, BM),)](
+    launch(kernel, (triton.cdiv(m, BM),),
         xp, packed, out, m, oh, ow, xp.stride(0), xp.stride(1), r, k, *ops, SH=stride[0], SW=stride[1],
         TAPS=s * CP, ALIGN=8 if stride[1] % 2 == 0 else 4, BIG=big, BM=BM, CP=CP, KP=kp, BK=bk,
         PRECISION="upcast" if upcast else "ieee", num_warps=WARPS, num_stages=1, **pdl)

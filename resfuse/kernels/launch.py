@@ -237,7 +237,8 @@ def _conv_plan(x, w, operands, signature, stride, padding, dilation, out, config
     tiles = triton.cdiv(nb * oh * ow, cfg.block_m) * triton.cdiv(ko, cfg.block_n)
     s_on, s_ok, s_oh, s_ow = out.stride()
     if cfg.tma and conv_as_gemm(x, w, stride, padding, out.stride()) is not None:  # a 1x1 conv as a GEMM
-        return _tma_plan(gemm_views, (x, w), operands, signature, out, 1, cfg, split, tiles, (oh * ow, s_on, s_ow, s_ok))
+        return _tma_plan(gemm_views, (x, w), operands, signature, out, 1, cfg, split, tiles,
+                         (oh * ow, s_on, s_ow, s_ok))
     if cfg.tma and conv_tma_operands(x, w, stride) is not None:
         return _tma_conv_plan(x, w, operands, signature, out, cfg, split, padding, dilation)
     head = [nb, h, wd, c, ko, oh, ow, r, s, *x.stride(), *w.stride(), s_on, s_oh, s_ow, stride[0], stride[1],

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from . import WINDOW_NOT_POSITIVE
-from .plan import pdl_meta
+from .plan import launch, pdl_meta
 from .tiles import dependent_launch
 
 NOT_POSITIVE = tl.constexpr(WINDOW_NOT_POSITIVE)
@@ -254,9 +254,9 @@ def max_pool2d_epilogue(x: torch.Tensor, operands, signature: str, kernel, strid
         run = load_source("max_pool2d_epilogue", signature, lambda: epilogue_source(signature))
         op_args = [a for v in epi.operand_views(epi.parse(signature), operands, out.shape, 1) for a in (v, *v.stride())]
         grid = (triton.cdiv(n * oh * ow, bm), triton.cdiv(c, bc))
-        run[grid](x, out, n, c, h, w, oh, ow, *x.stride(), *out.stride(), *op_args,
-                  **_geometry(kernel, stride, padding, dilation), BIG=_big(x, out), BM=bm, BC=bc, num_warps=warps,
-                  **pdl_meta(x.device))
+        launch(run, grid, x, out, n, c, h, w, oh, ow, *x.stride(), *out.stride(), *op_args,
+               **_geometry(kernel, stride, padding, dilation), BIG=_big(x, out), BM=bm, BC=bc, num_warps=warps,
+               **pdl_meta(x.device))
     return out
 
 
@@ -292,10 +292,9 @@ def max_pool2d(x: torch.Tensor, kernel, stride, padding, dilation, out: torch.Te
         if window and kernel[0] * kernel[1] > WINDOW_NOT_POSITIVE:
             raise ValueError(f"a {kernel[0]}x{kernel[1]} window has more taps than a window code holds")
         grid = (triton.cdiv(n * oh * ow, bm), triton.cdiv(c, bc))
-        max_pool2d_kernel[grid](x, out, idx, n, c, h, w, oh, ow, *x.stride(), *out.stride(), *idx.stride(),
-                                **_geometry(kernel, stride, padding, dilation), WITH_INDICES=indices is not None,
-                                WINDOW=window, BIG=_big(x, out, idx), BM=bm, BC=bc, num_warps=warps,
-                                **pdl_meta(x.device))
+        launch(max_pool2d_kernel, grid, x, out, idx, n, c, h, w, oh, ow, *x.stride(), *out.stride(), *idx.stride(),
+               **_geometry(kernel, stride, padding, dilation), WITH_INDICES=indices is not None,
+               WINDOW=window, BIG=_big(x, out, idx), BM=bm, BC=bc, num_warps=warps, **pdl_meta(x.device))
     return out, indices
 
 
@@ -312,10 +311,10 @@ def max_pool2d_backward(grad_out: torch.Tensor, indices: torch.Tensor, kernel, s
         sign = window and mask is not None and mask_is_input and threshold == 0.0
         m = mask if mask is not None and not sign else grad_input
         grid = (triton.cdiv(n * h * w, bm), triton.cdiv(c, bc))
-        max_pool2d_backward_kernel[grid](grad_out, indices, grad_input, m, n, c, h, w, oh, ow, *grad_out.stride(),
-                                         *indices.stride(), *grad_input.stride(), *m.stride(), float(threshold),
-                                         **_geometry(kernel, stride, padding, dilation),
-                                         MASK=mask is not None and not sign, WINDOW=window, SIGN=sign,
-                                         BIG=_big(grad_out, indices, grad_input, m), BM=bm, BC=bc, num_warps=warps,
-                                         **pdl_meta(grad_out.device))
+        launch(max_pool2d_backward_kernel, grid, grad_out, indices, grad_input, m, n, c, h, w, oh, ow,
+               *grad_out.stride(), *indices.stride(), *grad_input.stride(), *m.stride(), float(threshold),
+               **_geometry(kernel, stride, padding, dilation),
+               MASK=mask is not None and not sign, WINDOW=window, SIGN=sign,
+               BIG=_big(grad_out, indices, grad_input, m), BM=bm, BC=bc, num_warps=warps,
+               **pdl_meta(grad_out.device))
     return grad_input

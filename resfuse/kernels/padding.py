@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .max_pool import _big, _rows
-from .plan import pdl_meta
+from .plan import launch, pdl_meta
 from .tiles import dependent_launch
 
 
@@ -40,7 +40,7 @@ def pad_channels(x: torch.Tensor, out: torch.Tensor, tile: tuple[int, int] | Non
     if out.numel():
         bc = triton.next_power_of_2(co)
         bm, warps = tile or (max(32, 2048 // bc), 4)  # 512 x 4: the best of 8 tiles at bs256 (stem_pad.py --sweep)
-        pad_channels_kernel[(triton.cdiv(n * h * w, bm),)](
+        launch(pad_channels_kernel, (triton.cdiv(n * h * w, bm),),
             x, out, n, c, co, h, w, *x.stride(), *out.stride(), BIG=_big(x, out), BM=bm, BC=bc, num_warps=warps,
             **pdl_meta(x.device))
     return out

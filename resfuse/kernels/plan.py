@@ -2,10 +2,10 @@
 computed once per key and reused (launch.py builds them, batch_norm*.py too).
 
 Entry points: `Plan` (its `launch` fills in the tensors, each call), `Launcher` (a plan's launches of its kernel,
-past the first without Triton's JIT), `plan_key`, `cached_launch`, `operand_strides`
-(each operand's [S, P, C] strides), `descriptor_operands` (the full operands a TMA family reads through tensor
-descriptors), `operand_args` (an epilogue's kernel arguments, from those two), `pdl_meta` (programmatic dependent
-launch's options) and `sm_count`.
+past the first without Triton's JIT), `launch` (the same for a call site without a plan), `plan_key`,
+`cached_launch`, `operand_strides` (each operand's [S, P, C] strides), `descriptor_operands` (the full operands a
+TMA family reads through tensor descriptors), `operand_args` (an epilogue's kernel arguments, from those two),
+`pdl_meta` (programmatic dependent launch's options) and `sm_count`.
 """
 from __future__ import annotations
 
@@ -82,6 +82,30 @@ class Launcher:
             tail.append(self.meta.get(param.name, param.default))
         self.tail, self.device = tuple(tail), torch.cuda.current_device()
         return compiled[(*self.grid, 1, 1)[:3]]  # the compiled launcher reads three grid dims, as the JIT gives it
+
+
+_LAUNCHERS: dict = {}  # (kernel, grid, meta, argument signature) -> Launcher, for launch()
+
+
+def launch(kernel, grid: tuple, *args, **meta) -> None:
+    """`kernel[grid](*args, **meta)` at a call site without a plan of its own (the batch norms', the pools'): a
+    Launcher per kernel, grid, meta and argument signature, the part of the arguments the JIT specialises on (each
+    tensor's dtype and 16-byte alignment, every int and bool; floats are passed as values), so that only the first
+    launch of each goes through the JIT. An argument of another type (a tensor descriptor) takes the JIT."""
+    sig = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            sig.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, (int, float)) or a is None:  # bools are ints
+            sig.append(None if type(a) is float else a)
+        else:
+            kernel[grid](*args, **meta)
+            return
+    key = (kernel, grid, tuple(meta.items()), tuple(sig))
+    launcher = _LAUNCHERS.get(key)
+    if launcher is None:
+        launcher = _LAUNCHERS[key] = Launcher(kernel, grid, meta)
+    launcher(*args)
 
 
 class Plan:
