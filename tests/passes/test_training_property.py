@@ -115,7 +115,9 @@ def test_a_net_with_half_precision_weights_trains_like_eager(dtype):
     it moves below that residual, and those casts must move with it: the forward graph failed its lint and ran
     unfused, found on a GPU by bench/host_split.py's ResNet-50 training step."""
     torch.manual_seed(0)
-    blocks = [Block(4, 8, 1, True, True, False), Block(8, 8, 2, True, False, False)]
+    # silu, no relu after the add: a relu's mask can flip on one rounding of its input, which at half precision is
+    # a change of the gradient that no tolerance tells from a bug
+    blocks = [Block(4, 8, 1, True, False, False, act="silu"), Block(8, 8, 2, True, False, False, act="silu")]
     report = check_one_step((4, nn.Sequential(*blocks), 6, True, True), 0, interpret=True, dtype=dtype)
     folds = [f for f in report.fusions if f.graph == "forward" and "normalize(" in f.signature]
     assert len(folds) == 2, (report.fusions, report.rejected)
