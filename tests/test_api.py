@@ -237,3 +237,42 @@ def test_a_compiled_call_makes_no_reference_cycles(block):
         garbage = windows[1]
     assert rel(got, want) < 1e-4 and len(compiled.resfuse_report.fusions) >= 3
     assert garbage == [], garbage[:20]
+
+
+def test_each_compiled_model_runs_under_its_own_settings(tmp_path, monkeypatch):
+    """The kernels' and the tuner's settings live in module state: a model compiled later with others (no tuning,
+    PDL off, another cache) must not change what an earlier model's ops run with, in inference or training."""
+    import copy
+
+    from resfuse import kernels
+    from resfuse.ops import fused, training
+    from resfuse.tuning import choose
+
+    seen = []
+
+    def spy(real):
+        def run(*args):
+            seen.append((kernels.options()["pdl"], choose.level_now(), kernels.options()["cache_dir"]))
+            return real(*args)
+        return run
+
+    for module, name in ((fused, "_conv2d"), (fused, "_gemm"), (training, "_dgrad")):  # what asks the tuner
+        monkeypatch.setattr(module, name, spy(getattr(module, name)))
+    torch.manual_seed(1)  # both heads' relus let something through
+    a, b = Block().eval(), Block().eval()
+    twin = copy.deepcopy(a).train()
+    torch._dynamo.reset()
+    mine = {"a": resfuse.compile(a, pdl=True, tuning="max", cache_dir=str(tmp_path / "a")),
+            "b": resfuse.compile(b, pdl=False, tuning="none", cache_dir=str(tmp_path / "b")),
+            "train": resfuse.compile(twin, pdl=False, tuning="fast", cache_dir=str(tmp_path / "t"))}
+    want = {"a": (True, "max", str(tmp_path / "a")), "b": (False, "none", str(tmp_path / "b")),
+            "train": (False, "fast", str(tmp_path / "t"))}
+    x = torch.randn(2, 8, 9, 7)
+    for name in ("a", "b", "train", "a", "train", "b", "a"):
+        seen.clear()
+        if name == "train":
+            mine[name](x).square().mean().backward()
+        else:
+            with torch.no_grad():
+                assert rel(mine[name](x), {"a": a, "b": b}[name](x)) < 1e-5
+        assert seen and set(seen) == {want[name]}, (name, seen)

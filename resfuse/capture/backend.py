@@ -182,28 +182,65 @@ def partition(joint: fx.GraphModule, joint_inputs, *, config: Config, report: Re
     return default_partition(joint, joint_inputs, **options)
 
 
-def make_backend(config: Config, report: Report, run_graph: bool = True):
-    # The interpreter is a process-wide Triton mode: a config can turn it on, never off again. Without it,
-    # fused ops on CPU tensors take the reference path (PassContext.provider_for).
-    kernels.set_options(cache_dir=config.cache_dir, split_k=config.split_k, pdl=config.pdl,
-                        tma_store=config.tma_store, compile_workers=config.compile_workers)
-    if config.interpret:
-        kernels.set_options(interpret=True)
-    if kernels.triton_installed():
-        from ..tuning.choose import configure
+class Settings:
+    """A compile's settings that live in module state, which each fused op reads as it runs: the kernels' options
+    (kernels.set_options) and the tuner's (tuning.choose.configure). Made current when the compile starts, and again
+    at each call of the graphs it compiled: otherwise a model compiled later with other settings (tuning="none",
+    pdl=False, another cache_dir) would change what this one's ops run from then on."""
+    current = None
 
-        configure(config.tuning, config.cache_dir, config.tuning_budget_s, config.retune)
+    def __init__(self, config: Config):
+        self.config = config
+        self.enter(new_compile=True)
+
+    def enter(self, new_compile: bool = False) -> None:
+        if Settings.current is self and not new_compile:
+            return
+        c = self.config
+        kernels.set_options(cache_dir=c.cache_dir, split_k=c.split_k, pdl=c.pdl, tma_store=c.tma_store,
+                            compile_workers=c.compile_workers)
+        # The interpreter is a process-wide Triton mode: a config can turn it on, never off again. Without it,
+        # fused ops on CPU tensors take the reference path (PassContext.provider_for).
+        if c.interpret:
+            kernels.set_options(interpret=True)
+        if kernels.triton_installed():
+            from ..tuning.choose import configure
+
+            configure(c.tuning, c.cache_dir, c.tuning_budget_s, c.retune, new_compile=new_compile)
+        Settings.current = self
+
+    def wrap(self, fn):
+        """fn (a compiled graph, boxed) entering these settings first; the captured graph that a failed compile
+        falls back to (ATen ops alone, unboxed) as it is."""
+        if not getattr(fn, "_boxed_call", False):
+            return fn
+
+        def run(inputs: list):
+            self.enter()
+            return fn(inputs)
+
+        run._boxed_call = True
+        return run
+
+
+def make_backend(config: Config, report: Report, run_graph: bool = True):
+    settings = Settings(config)
+
+    def step(gm: fx.GraphModule, example_inputs, graph: str, graphed: dict):
+        return settings.wrap(compile_graph(gm, example_inputs, config=config, graph=graph, report=report,
+                                           run_graph=run_graph, graphed=graphed))
 
     def backend(gm: fx.GraphModule, example_inputs):
+        settings.enter()  # the passes tune some ops as they compile
         # before aot_autograd: its trace picks the attention kernel, and differentiates the merged linears
         gm = contiguous_attention_masks(drop_all_true_masks(gm, report), report)
         if config.merge_linears:
             gm = merge_linears(gm, report)
         # per dynamo graph, so that a backward knows whether its own forward replays as a CUDA graph
-        step = functools.partial(compile_graph, config=config, report=report, run_graph=run_graph, graphed={})
-        lower = aot_autograd(fw_compiler=functools.partial(step, graph="forward"),
-                             bw_compiler=functools.partial(step, graph="backward"),
-                             inference_compiler=functools.partial(step, graph="inference"),
+        step_here = functools.partial(step, graphed={})
+        lower = aot_autograd(fw_compiler=functools.partial(step_here, graph="forward"),
+                             bw_compiler=functools.partial(step_here, graph="backward"),
+                             inference_compiler=functools.partial(step_here, graph="inference"),
                              partition_fn=functools.partial(partition, config=config, report=report),
                              keep_inference_input_mutations=True)
         return lower(gm, example_inputs)

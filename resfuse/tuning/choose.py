@@ -72,16 +72,21 @@ _STATE = {"spent_s": 0.0, "cache": None}
 _CHOICES: dict[str, Choice] = {}
 
 
-def configure(level: str, cache_dir: str, budget_s: float, force: bool = False) -> None:
-    """Settings for the ops that run from now on; each compile gets the whole wall-clock budget again."""
-    _STATE["spent_s"] = 0.0
-    for k in [k for k, c in _CHOICES.items() if c == UNTUNED]:
-        del _CHOICES[k]
+def configure(level: str, cache_dir: str, budget_s: float, force: bool = False, new_compile: bool = True) -> None:
+    """Settings for the ops that run from now on. A new compile gets the whole wall-clock budget again, and forgets
+    the ops it ran untuned for want of budget, and (another cache, or a forced re-tune) the choices made so far. A
+    compiled model's graphs switching back to their own settings (capture/backend.Settings: new_compile=False) keep
+    all of that, so that two models called in turn neither tune again nor reset each other's budget."""
+    if new_compile:
+        _STATE["spent_s"] = 0.0
+        for k in [k for k, c in _CHOICES.items() if c == UNTUNED]:
+            del _CHOICES[k]
+        if cache_dir != _SETTINGS["cache_dir"]:
+            _CHOICES.clear()  # another cache: the choices read from or tuned into the last one are not its own
+        if force and not _SETTINGS["force"]:
+            _CHOICES.clear()  # a forced re-tune measures again what this process already chose
     if cache_dir != _SETTINGS["cache_dir"]:
         _STATE["cache"] = None
-        _CHOICES.clear()  # another cache: the choices read from or tuned into the last one are not its own
-    if force and not _SETTINGS["force"]:
-        _CHOICES.clear()  # a forced re-tune measures again what this process already chose
     _SETTINGS.update(level=level, cache_dir=cache_dir, budget_s=budget_s, force=force)
 
 

@@ -103,6 +103,30 @@ def test_budget_spent_runs_cudnn_with_our_epilogue_and_stores_nothing(tmp_path, 
     assert ch.choose(conv_call()).provider == "triton" and len(ch._cache().entries()) == 1
 
 
+def test_a_model_switching_back_to_its_settings_keeps_budget_and_choices(tmp_path, monkeypatch):
+    """configure(new_compile=False), what a compiled graph's call does when another compile's settings are current:
+    no fresh budget, and nothing forgotten; after another model's compile into another cache, the choices come back
+    from this model's cache, not from measuring again."""
+    monkeypatch.setattr(ch, "_tunable", lambda device: True)
+    monkeypatch.setattr(ch, "_CHOICES", {})
+    monkeypatch.setattr(ch, "_bench", bench_favouring("triton"))
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    ch.configure("fast", a, budget_s=600)
+    first = ch.choose(conv_call())
+    ch.configure("none", b, budget_s=600)  # another model's compile: its own budget, another cache
+    assert ch.choose(conv_call()) == ch.HEURISTIC and ch._STATE["spent_s"] == 0.0
+    ch._STATE["spent_s"] = 1e9  # then its budget spent
+    monkeypatch.setattr(ch, "_bench", bench_favouring("aten"))  # a measurement from here on would pick aten
+    ch.configure("fast", a, budget_s=600, new_compile=False)  # the first model's next call
+    assert ch.choose(conv_call()) == first and ch._STATE["spent_s"] == 1e9
+    assert ch._cache().path.parent == tmp_path / "a"
+    ch.configure("none", b, budget_s=600, new_compile=False)
+    ch.configure("fast", a, budget_s=600, new_compile=False)
+    assert ch.choose(conv_call()) == first  # the switches forgot nothing
+    ch._CHOICES.clear()
+    assert ch.choose(conv_call()) == first  # read back from its own cache
+
+
 def test_every_provider_path_of_the_ops_gives_the_unfused_result(monkeypatch):
     """ops/fused.py dispatches a tuned choice of each provider; all agree with the float64 reference."""
     import resfuse  # noqa: F401  (registers the ops)
