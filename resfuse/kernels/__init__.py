@@ -23,7 +23,8 @@ Entry points, called by ops/fused.py:
   pad_channels(x, out) -> out                       x's channels zero-padded to out's, cast (padding.py)
   image_conv(x, w, stride, padding, out) -> out     a conv over an image of <= 4 channels (conv2d_image.py)
   set_options(interpret=..., cache_dir=..., split_k=..., pdl=..., tma_store=..., compile_workers=...)
-                                                    process-wide, set by resfuse.compile
+                                                    module state, made current for each compiled
+                                                    model's calls (capture/backend.Settings)
 
 Triton decides at decoration time whether a kernel is compiled or interpreted, so the interpreter switch is
 process-wide and must be set before the first kernel is built.
