@@ -276,3 +276,38 @@ def test_each_compiled_model_runs_under_its_own_settings(tmp_path, monkeypatch):
             with torch.no_grad():
                 assert rel(mine[name](x), {"a": a, "b": b}[name](x)) < 1e-5
         assert seen and set(seen) == {want[name]}, (name, seen)
+
+
+def test_a_graph_whose_passes_fail_runs_as_captured_and_says_why(monkeypatch):
+    """Never crash the user's model: a pass that raises leaves each graph (inference, or forward and backward) as
+    aot captured it, run unfused, with the error in the report and a warning."""
+    import copy
+
+    from resfuse.capture import backend
+
+    def broken(gm, ctx):
+        raise RuntimeError("a pass broke")
+
+    monkeypatch.setattr(backend, "run_passes", broken)
+    torch.manual_seed(1)
+    net = Block()
+    twin = copy.deepcopy(net)
+    x = torch.randn(2, 8, 9, 7)
+    for training in (False, True):
+        net.train(training), twin.train(training)
+        torch._dynamo.reset()
+        compiled = resfuse.compile(net)
+        with pytest.warns(UserWarning, match="passes failed"), torch.set_grad_enabled(training):
+            out = compiled(x)
+        ref = twin(x)
+        assert rel(out, ref) < 1e-6
+        if training:
+            out.square().sum().backward()
+            ref.square().sum().backward()
+            for p, q in zip(net.parameters(), twin.parameters()):
+                assert rel(p.grad, q.grad) < 1e-5
+        errors = compiled.resfuse_report.errors
+        graphs = ("forward", "backward") if training else ("inference",)
+        assert [e.split(":")[0] for e in errors] == [f"{g} graph" for g in graphs], errors
+        assert all("passes failed, running it unfused: RuntimeError: a pass broke" in e for e in errors)
+        assert not compiled.resfuse_report.fusions
