@@ -2,7 +2,8 @@
 
 Entry point: `resfuse_backend(gm, example_inputs, **options)`. Dynamo hands us a torch-level graph;
 aot_autograd lowers it to ATen graphs and calls `compile_graph` on each: the inference graph in eval / no-grad
-mode, or the forward and backward graphs in training. `compile_graph` is the whole pipeline on one screen.
+mode, or the forward and backward graphs in training. `compile_graph` is the whole pipeline on one screen. Each
+compiled graph runs under its compile's `Settings` (kernel and tuning options, module state the ops read).
 """
 from __future__ import annotations
 
