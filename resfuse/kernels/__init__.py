@@ -22,6 +22,7 @@ Entry points, called by ops/fused.py:
   max_pool2d_epilogue(...)                          max pooling of a monotone epilogue's value (max_pool.py)
   pad_channels(x, out) -> out                       x's channels zero-padded to out's, cast (padding.py)
   image_conv(x, w, stride, padding, out) -> out     a conv over an image of <= 4 channels (conv2d_image.py)
+  OutOfResources                                    Triton's error for a config that does not load on this GPU
   set_options(interpret=..., cache_dir=..., split_k=..., pdl=..., tma_store=..., compile_workers=...)
                                                     module state, made current for each compiled
                                                     model's calls (capture/backend.Settings)
@@ -68,6 +69,14 @@ def _set_interpret(on: bool) -> None:
     knobs = getattr(triton, "knobs", None)  # triton >= 3.4; older releases read TRITON_INTERPRET at decoration
     if knobs is not None:
         knobs.runtime.interpret = on
+
+
+def __getattr__(name: str):
+    if name == "OutOfResources":  # Triton's error for a config that does not load here; triton imported only now
+        from triton.runtime.errors import OutOfResources  # (see _set_interpret)
+
+        return OutOfResources
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def options() -> dict:

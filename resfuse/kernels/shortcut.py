@@ -198,6 +198,7 @@ class ShortcutPlan:
                          PRECISION="upcast" if upcast else "ieee", num_warps=cfg.num_warps,
                          num_stages=cfg.num_stages, **pdl_meta(y.device))
         self.launcher = Launcher(self.kernel, self.grid, self.meta)
+        self.config = cfg
 
     def launch(self, y, w1, operands1, signature1, x, w2, operands2, signature2, z):
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -210,7 +211,7 @@ class ShortcutPlan:
         self.launcher(descs[0], descs[1], x, descs[2], out, *self.head, *ops1, *ops2)
 
 
-_PLANS: dict = {}
+_PLANS: dict = {}  # plan_key -> ShortcutPlan, or the reason its config failed to load
 
 
 def conv2d_shortcut(y, w1, operands1, signature1: str, slot: int | None, x, w2, operands2, signature2: str | None,
@@ -234,6 +235,12 @@ def conv2d_shortcut(y, w1, operands1, signature1: str, slot: int | None, x, w2, 
                                                        w1.shape[0], y.element_size(), sm_count(y.device)))
         plan = _PLANS[key] = ShortcutPlan(y, w1, operands1, signature1, slot, x, w2, operands2, signature2, stride,
                                           z, cfg)
+    if isinstance(plan, str):
+        raise NotImplementedError(plan)
     if z.numel():
-        plan.launch(y, w1, operands1, signature1, x, w2, operands2, signature2, z)
+        try:
+            plan.launch(y, w1, operands1, signature1, x, w2, operands2, signature2, z)
+        except triton.runtime.errors.OutOfResources as e:  # raised as it loads, before anything runs (chain.py's)
+            _PLANS[key] = f"the shortcut kernel's config {plan.config} is out of resources here: {e}"
+            raise NotImplementedError(_PLANS[key]) from e
     return z

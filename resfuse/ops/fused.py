@@ -154,15 +154,21 @@ def aux_output(out: Output, dtype: torch.dtype) -> Output:
 def _conv2d(x, weight, operands, epilogue, stride, padding, dilation, provider, aux):
     if _use_triton(x.device, provider):
         from .. import kernels
-        from ..tuning.choose import choose
+        from ..tuning.choose import choose, out_of_resources
 
         call = call_of("conv2d", (x, weight), operands, epilogue, (stride, padding, dilation), aux)
         out = call.out
         choice = choose(call)
-        _record("conv2d", epilogue, choice.provider)
         if choice.provider == "triton":
-            return kernels.conv2d(x, weight, list(operands), epilogue, list(stride), list(padding), list(dilation),
-                                  out.empty(), choice.config, aux)
+            try:
+                result = kernels.conv2d(x, weight, list(operands), epilogue, list(stride), list(padding),
+                                        list(dilation), out.empty(), choice.config, aux)
+            except kernels.OutOfResources as e:
+                choice = out_of_resources(call, e)
+            else:
+                _record("conv2d", epilogue, "triton")
+                return result
+        _record("conv2d", epilogue, choice.provider)
         if choice.provider == "epilogue":
             from ..providers import epilogue as two_kernels
             return two_kernels.run(call)
@@ -235,14 +241,20 @@ def gemm_aux_impl(a: torch.Tensor, b: torch.Tensor, operands: Sequence[torch.Ten
 def _gemm(a, b, operands, epilogue, out_shape, provider, aux):
     if _use_triton(a.device, provider):
         from .. import kernels
-        from ..tuning.choose import choose
+        from ..tuning.choose import choose, out_of_resources
 
         call = call_of("gemm", (a, b), operands, epilogue, (out_shape,), aux)
         out, out_shape = call.out, call.params[0]
         choice = choose(call)
-        _record("gemm", epilogue, choice.provider)
         if choice.provider == "triton":
-            return kernels.gemm(a, b, list(operands), epilogue, out.empty(), choice.config, aux)
+            try:
+                result = kernels.gemm(a, b, list(operands), epilogue, out.empty(), choice.config, aux)
+            except kernels.OutOfResources as e:
+                choice = out_of_resources(call, e)
+            else:
+                _record("gemm", epilogue, "triton")
+                return result
+        _record("gemm", epilogue, choice.provider)
         if choice.provider == "epilogue":
             from ..providers import epilogue as two_kernels
             return two_kernels.run(call)

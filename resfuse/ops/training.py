@@ -196,15 +196,21 @@ def _dgrad(grad_out, weight, operands, epilogue, input_shape, stride, padding, d
     out = dgrad_out(grad_out, weight, input_shape)
     if _use_triton(grad_out.device, provider):
         from .. import kernels
-        from ..tuning.choose import Call, choose
+        from ..tuning.choose import Call, choose, out_of_resources
 
         call = Call("conv2d_dgrad", (grad_out, weight), list(operands), epilogue,
                     (list(stride), list(padding), list(dilation)), out, stats=sums)
         choice = choose(call)  # the tuner weighs our kernel, cuDNN's dgrad + our epilogue kernel, and one cuDNN graph
-        _record("conv2d_dgrad", epilogue, choice.provider)
         if choice.provider == "triton":
-            return kernels.conv2d_dgrad(grad_out, weight, list(operands), epilogue, list(stride), list(padding),
-                                        list(dilation), out.empty(), choice.config, sums)
+            try:
+                result = kernels.conv2d_dgrad(grad_out, weight, list(operands), epilogue, list(stride),
+                                              list(padding), list(dilation), out.empty(), choice.config, sums)
+            except kernels.OutOfResources as e:
+                choice = out_of_resources(call, e)
+            else:
+                _record("conv2d_dgrad", epilogue, "triton")
+                return result
+        _record("conv2d_dgrad", epilogue, choice.provider)
         if choice.provider == "epilogue":
             from ..providers import epilogue as two_kernels
             return two_kernels.run(call)

@@ -126,6 +126,8 @@ def settled(call: Call) -> Choice | None:
 def choose(call: Call) -> Choice:
     level = _SETTINGS["level"]
     if level == "none" or not _tunable(call.out.device):
+        if _OUT_OF_RESOURCES and fast_key(call) in _OUT_OF_RESOURCES:
+            return UNTUNED
         # our kernel's heuristic config, where our kernel takes the op (a grouped conv it refuses)
         return HEURISTIC if providers.triton.refusal(call) is None else UNTUNED
     fast = fast_key(call)  # every call passes here: no hashing, no device queries
@@ -160,6 +162,22 @@ def choose(call: Call) -> Choice:
                     else dict(entry.config) or None)
     _CHOICES[fast] = choice
     return choice
+
+
+_OUT_OF_RESOURCES: set = set()  # fast keys of calls whose config of our kernel did not load here
+
+
+def out_of_resources(call: Call, error: Exception) -> Choice:
+    """What runs from now on instead of our kernel's config that did not load on this GPU (raised as it loads, before
+    anything runs): cuDNN/cuBLAS + our epilogue kernel. The heuristic configs of tuning "none" assume a Hopper's
+    shared memory, which other GPUs have less of; a tuned config was measured here and loads. Said once an op."""
+    fast = fast_key(call)
+    if fast not in _OUT_OF_RESOURCES:
+        print(f"resfuse: {call.op} {_shape(call)} {call.signature}: our kernel's config does not fit this GPU, "
+              f"running cuDNN/cuBLAS + our epilogue kernel: {' '.join(str(error).split())[:200]}")
+    _OUT_OF_RESOURCES.add(fast)
+    _CHOICES[fast] = UNTUNED
+    return UNTUNED
 
 
 def _off_thread(device: torch.device, fn, *args, **kwargs):

@@ -169,3 +169,33 @@ def test_the_sum_form_follows_in_place_parameter_updates():
         block.down[1].bias.add_(1.0)
         moved = compiled(x)
         assert rel(moved, eager()) < 5e-3 and rel(moved, first) > 1e-2
+
+
+def test_a_shortcut_kernel_out_of_resources_runs_as_two_ops(monkeypatch, capsys):
+    """As the chain's (test_chain.py): an untuned config of the shortcut kernel that does not load on this GPU
+    raises as it loads, before anything runs; the pair then runs as its two convs, on later calls too, said once."""
+    from triton.runtime.errors import OutOfResources
+
+    from resfuse.kernels import shortcut
+
+    launches = []
+
+    def out_of_memory(self, *args):
+        launches.append(1)
+        raise OutOfResources(300000, 101376, "shared memory")
+
+    monkeypatch.setattr(shortcut.ShortcutPlan, "launch", out_of_memory)
+    torch.manual_seed(3)
+    model = net((16, 16, 1, 1), (64, 16, 1, 2)).eval().half().to(memory_format=torch.channels_last)
+    torch._dynamo.reset()
+    PATHS.clear()
+    compiled = resfuse.compile(model, interpret=True, chain_convs=False)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(1, 3, 6, 6).half().contiguous(memory_format=torch.channels_last)
+            assert rel(compiled(x), model.double()(x.double())) < 5e-3
+            model.half()
+    assert len(_fusions(compiled.resfuse_report, "conv2d_shortcut")) == 2
+    assert {path for (op, _, path), n in PATHS.items() if op == "conv2d_shortcut" and n} == {"separate"}
+    # tried once a pair, then remembered; said once a reason (both pairs' configs read the same)
+    assert capsys.readouterr().out.count("runs as two ops") == 1 and len(launches) == 2
