@@ -130,6 +130,21 @@ def _use_triton(device: torch.device, provider: str) -> bool:
     return kernels.available(device)
 
 
+def ours_first(call, choice, launch):
+    """(our kernel's output, the choice) where the choice is our kernel (launch(config) runs it) and its config
+    loads here; else (None, what to run instead): the choice itself, or cuDNN/cuBLAS + our epilogue kernel where
+    the config is too large for this GPU, from now on (tuning.choose.out_of_resources)."""
+    if choice.provider != "triton":
+        return None, choice
+    from .. import kernels
+    from ..tuning.choose import out_of_resources
+
+    try:
+        return launch(choice.config), choice
+    except kernels.OutOfResources as e:  # raised as the kernel loads, before anything runs
+        return None, out_of_resources(call, e)
+
+
 def _record(op: str, signature: str, path: str) -> None:
     PATHS[(op, signature, path)] += 1
 
@@ -154,21 +169,15 @@ def aux_output(out: Output, dtype: torch.dtype) -> Output:
 def _conv2d(x, weight, operands, epilogue, stride, padding, dilation, provider, aux):
     if _use_triton(x.device, provider):
         from .. import kernels
-        from ..tuning.choose import choose, out_of_resources
+        from ..tuning.choose import choose
 
         call = call_of("conv2d", (x, weight), operands, epilogue, (stride, padding, dilation), aux)
         out = call.out
-        choice = choose(call)
-        if choice.provider == "triton":
-            try:
-                result = kernels.conv2d(x, weight, list(operands), epilogue, list(stride), list(padding),
-                                        list(dilation), out.empty(), choice.config, aux)
-            except kernels.OutOfResources as e:
-                choice = out_of_resources(call, e)
-            else:
-                _record("conv2d", epilogue, "triton")
-                return result
+        result, choice = ours_first(call, choose(call), lambda config: kernels.conv2d(
+            x, weight, list(operands), epilogue, list(stride), list(padding), list(dilation), out.empty(), config, aux))
         _record("conv2d", epilogue, choice.provider)
+        if result is not None:
+            return result
         if choice.provider == "epilogue":
             from ..providers import epilogue as two_kernels
             return two_kernels.run(call)
@@ -241,20 +250,15 @@ def gemm_aux_impl(a: torch.Tensor, b: torch.Tensor, operands: Sequence[torch.Ten
 def _gemm(a, b, operands, epilogue, out_shape, provider, aux):
     if _use_triton(a.device, provider):
         from .. import kernels
-        from ..tuning.choose import choose, out_of_resources
+        from ..tuning.choose import choose
 
         call = call_of("gemm", (a, b), operands, epilogue, (out_shape,), aux)
         out, out_shape = call.out, call.params[0]
-        choice = choose(call)
-        if choice.provider == "triton":
-            try:
-                result = kernels.gemm(a, b, list(operands), epilogue, out.empty(), choice.config, aux)
-            except kernels.OutOfResources as e:
-                choice = out_of_resources(call, e)
-            else:
-                _record("gemm", epilogue, "triton")
-                return result
+        result, choice = ours_first(call, choose(call), lambda config: kernels.gemm(
+            a, b, list(operands), epilogue, out.empty(), config, aux))
         _record("gemm", epilogue, choice.provider)
+        if result is not None:
+            return result
         if choice.provider == "epilogue":
             from ..providers import epilogue as two_kernels
             return two_kernels.run(call)

@@ -40,7 +40,7 @@ import torch
 
 from .. import epilogue as epi
 from . import library
-from .fused import Output, _finish, _record, _use_triton, conv_out_format, with_batch
+from .fused import Output, _finish, _record, _use_triton, conv_out_format, ours_first, with_batch
 
 aten = torch.ops.aten
 
@@ -196,21 +196,17 @@ def _dgrad(grad_out, weight, operands, epilogue, input_shape, stride, padding, d
     out = dgrad_out(grad_out, weight, input_shape)
     if _use_triton(grad_out.device, provider):
         from .. import kernels
-        from ..tuning.choose import Call, choose, out_of_resources
+        from ..tuning.choose import Call, choose
 
         call = Call("conv2d_dgrad", (grad_out, weight), list(operands), epilogue,
                     (list(stride), list(padding), list(dilation)), out, stats=sums)
-        choice = choose(call)  # the tuner weighs our kernel, cuDNN's dgrad + our epilogue kernel, and one cuDNN graph
-        if choice.provider == "triton":
-            try:
-                result = kernels.conv2d_dgrad(grad_out, weight, list(operands), epilogue, list(stride),
-                                              list(padding), list(dilation), out.empty(), choice.config, sums)
-            except kernels.OutOfResources as e:
-                choice = out_of_resources(call, e)
-            else:
-                _record("conv2d_dgrad", epilogue, "triton")
-                return result
+        # the tuner weighs our kernel, cuDNN's dgrad + our epilogue kernel, and one cuDNN graph
+        result, choice = ours_first(call, choose(call), lambda config: kernels.conv2d_dgrad(
+            grad_out, weight, list(operands), epilogue, list(stride), list(padding), list(dilation), out.empty(),
+            config, sums))
         _record("conv2d_dgrad", epilogue, choice.provider)
+        if result is not None:
+            return result
         if choice.provider == "epilogue":
             from ..providers import epilogue as two_kernels
             return two_kernels.run(call)
