@@ -28,7 +28,8 @@ import triton
 
 from .. import epilogue as epi
 from . import codegen, options
-from .plan import Launcher, descriptor_operands, operand_args, operand_strides, pdl_meta, plan_key, sm_count
+from .plan import (Launcher, descriptor_operands, launch_or_refuse, operand_args, operand_strides, pdl_meta,
+                   plan_key, sm_count)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,12 +234,7 @@ def conv2d_chain(x, w1, operands1, signature1: str, w2, operands2, signature2: s
         cfg = config or default_config(ChainProblem(pixel_rows(x).shape[0], x.shape[1], w1.shape[0], w2.shape[0],
                                                     x.element_size(), sm_count(x.device)))
         plan = _PLANS[key] = ChainPlan(x, w1, w2, operands1, signature1, operands2, signature2, y, z, cfg)
-    if isinstance(plan, str):
-        raise NotImplementedError(plan)
     if y.numel():
-        try:
-            plan.launch(x, w1, w2, operands1, signature1, operands2, signature2, y, z)
-        except triton.runtime.errors.OutOfResources as e:  # raised as it loads, before anything runs
-            _PLANS[key] = f"the chain kernel's config {plan.config} is out of resources here: {e}"
-            raise NotImplementedError(_PLANS[key]) from e
+        launch_or_refuse(_PLANS, key, "chain",
+                         lambda p: p.launch(x, w1, w2, operands1, signature1, operands2, signature2, y, z))
     return y, z

@@ -3,9 +3,10 @@ computed once per key and reused (launch.py builds them, batch_norm*.py too).
 
 Entry points: `Plan` (its `launch` fills in the tensors, each call), `Launcher` (a plan's launches of its kernel,
 past the first without Triton's JIT), `launch` (the same for a call site without a plan), `plan_key`,
-`cached_launch`, `operand_strides` (each operand's [S, P, C] strides), `descriptor_operands` (the full operands a
-TMA family reads through tensor descriptors), `operand_args` (an epilogue's kernel arguments, from those two),
-`pdl_meta` (programmatic dependent launch's options) and `sm_count`.
+`cached_launch`, `launch_or_refuse` (a plan whose config may not load here), `operand_strides` (each operand's
+[S, P, C] strides), `descriptor_operands` (the full operands a TMA family reads through tensor descriptors),
+`operand_args` (an epilogue's kernel arguments, from those two), `pdl_meta` (programmatic dependent launch's
+options) and `sm_count`.
 """
 from __future__ import annotations
 
@@ -161,6 +162,23 @@ def operand_args(operands, strides: list, boxes: dict, signature: str, out_shape
 
 
 _PLANS: dict = {}
+
+
+def launch_or_refuse(plans: dict, key, kernel: str, launch) -> None:
+    """launch(plans[key]) for a plan cache whose entries may be refusals (a str, the reason): a config that does not
+    load here (Triton raises as the kernel loads, before anything runs: an untuned config too large for this GPU's
+    shared memory) leaves its reason in the plan's place, and NotImplementedError says it, now and on every later
+    call. The chain's and the shortcut's plans; ops/chain.run_pair then runs the pair as two convs."""
+    import triton
+
+    plan = plans[key]
+    if isinstance(plan, str):
+        raise NotImplementedError(plan)
+    try:
+        launch(plan)
+    except triton.runtime.errors.OutOfResources as e:
+        plans[key] = f"the {kernel} kernel's config {plan.config} is out of resources here: {e}"
+        raise NotImplementedError(plans[key]) from e
 
 
 def cached_launch(key, build, tensors: tuple, out, operands, signature: str, channel_dim: int, aux=None,

@@ -33,7 +33,8 @@ import triton
 from .. import epilogue as epi
 from . import codegen, options
 from .chain import nhwc_dense, pixel_rows, unaligned
-from .plan import Launcher, descriptor_output, operand_args, operand_strides, pdl_meta, plan_key, sm_count
+from .plan import (Launcher, descriptor_output, launch_or_refuse, operand_args, operand_strides, pdl_meta,
+                   plan_key, sm_count)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,12 +236,7 @@ def conv2d_shortcut(y, w1, operands1, signature1: str, slot: int | None, x, w2, 
                                                        w1.shape[0], y.element_size(), sm_count(y.device)))
         plan = _PLANS[key] = ShortcutPlan(y, w1, operands1, signature1, slot, x, w2, operands2, signature2, stride,
                                           z, cfg)
-    if isinstance(plan, str):
-        raise NotImplementedError(plan)
     if z.numel():
-        try:
-            plan.launch(y, w1, operands1, signature1, x, w2, operands2, signature2, z)
-        except triton.runtime.errors.OutOfResources as e:  # raised as it loads, before anything runs (chain.py's)
-            _PLANS[key] = f"the shortcut kernel's config {plan.config} is out of resources here: {e}"
-            raise NotImplementedError(_PLANS[key]) from e
+        launch_or_refuse(_PLANS, key, "shortcut",
+                         lambda p: p.launch(y, w1, operands1, signature1, x, w2, operands2, signature2, z))
     return z
