@@ -125,9 +125,9 @@ def settled(call: Call) -> Choice | None:
 
 def choose(call: Call) -> Choice:
     level = _SETTINGS["level"]
+    if _OUT_OF_RESOURCES and fast_key(call) in _OUT_OF_RESOURCES:
+        return UNTUNED  # our kernel's config did not load here (out_of_resources)
     if level == "none" or not _tunable(call.out.device):
-        if _OUT_OF_RESOURCES and fast_key(call) in _OUT_OF_RESOURCES:
-            return UNTUNED
         # our kernel's heuristic config, where our kernel takes the op (a grouped conv it refuses)
         return HEURISTIC if providers.triton.refusal(call) is None else UNTUNED
     fast = fast_key(call)  # every call passes here: no hashing, no device queries
@@ -176,7 +176,6 @@ def out_of_resources(call: Call, error: Exception) -> Choice:
         print(f"resfuse: {call.op} {_shape(call)} {call.signature}: our kernel's config does not fit this GPU, "
               f"running cuDNN/cuBLAS + our epilogue kernel: {' '.join(str(error).split())[:200]}")
     _OUT_OF_RESOURCES.add(fast)
-    _CHOICES[fast] = UNTUNED
     return UNTUNED
 
 
