@@ -87,3 +87,14 @@ def compare(model, x, **config):
         compiled = resfuse.compile(model, **{"interpret": True, **config})
         out = compiled(x)
     return out, ref, compiled.resfuse_report
+
+
+def unloadable(calls: list):
+    """A plan's `launch` failing as a config too large for the GPU's shared memory does (Triton raises as the kernel
+    loads, before anything runs), each call counted in `calls`."""
+    from triton.runtime.errors import OutOfResources
+
+    def launch(*args, **kwargs):
+        calls.append(1)
+        raise OutOfResources(262744, 232448, "shared memory")
+    return launch

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 import resfuse
 from resfuse.ops import PATHS
 
-from .helpers import compare, net, reasons, rel
+from .helpers import compare, net, reasons, rel, unloadable
 
 
 @settings(max_examples=6, deadline=None)
@@ -35,17 +35,10 @@ def test_a_chain_out_of_resources_runs_as_two_ops(monkeypatch, capsys):
     """A GPU may not fit the chain kernel's untuned config (at two stages ResNet-50's layer-2 pair takes 639,672
     bytes of shared memory, over an H100's 232,448: bench/chain_smem.py). Triton raises as the kernel loads, before
     anything runs: the pair then runs as its two convs, on every later call too, and says so once."""
-    from triton.runtime.errors import OutOfResources
-
     from resfuse.kernels import chain
 
     launches = []
-
-    def out_of_memory(self, *args):
-        launches.append(1)
-        raise OutOfResources(262744, 232448, "shared memory")
-
-    monkeypatch.setattr(chain.ChainPlan, "launch", out_of_memory)
+    monkeypatch.setattr(chain.ChainPlan, "launch", unloadable(launches))
     model = net((16, 16, 2, 1)).eval().half().to(memory_format=torch.channels_last)
     torch._dynamo.reset()
     PATHS.clear()

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 import resfuse
 from resfuse.ops import PATHS
 
-from .helpers import compare, net, reasons, rel
+from .helpers import compare, net, reasons, rel, unloadable
 
 
 def _fusions(report, anchor):
@@ -174,17 +174,10 @@ def test_the_sum_form_follows_in_place_parameter_updates():
 def test_a_shortcut_kernel_out_of_resources_runs_as_two_ops(monkeypatch, capsys):
     """As the chain's (test_chain.py): an untuned config of the shortcut kernel that does not load on this GPU
     raises as it loads, before anything runs; the pair then runs as its two convs, on later calls too, said once."""
-    from triton.runtime.errors import OutOfResources
-
     from resfuse.kernels import shortcut
 
     launches = []
-
-    def out_of_memory(self, *args):
-        launches.append(1)
-        raise OutOfResources(300000, 101376, "shared memory")
-
-    monkeypatch.setattr(shortcut.ShortcutPlan, "launch", out_of_memory)
+    monkeypatch.setattr(shortcut.ShortcutPlan, "launch", unloadable(launches))
     torch.manual_seed(3)
     model = net((16, 16, 1, 1), (64, 16, 1, 2)).eval().half().to(memory_format=torch.channels_last)
     torch._dynamo.reset()
