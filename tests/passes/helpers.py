@@ -98,3 +98,18 @@ def unloadable(calls: list):
         calls.append(1)
         raise OutOfResources(262744, 232448, "shared memory")
     return launch
+
+
+def half_calls(model, shape, calls: int = 2, **config):
+    """`model` in fp16 channels_last, compiled under the interpreter with `config` (PATHS cleared first), called
+    `calls` times on fresh inputs of `shape`, each output within 5e-3 of the float64 model's: its report."""
+    model = model.eval().half().to(memory_format=torch.channels_last)
+    torch._dynamo.reset()
+    PATHS.clear()
+    compiled = resfuse.compile(model, interpret=True, **config)
+    with torch.no_grad():
+        for _ in range(calls):
+            x = torch.randn(shape).half().contiguous(memory_format=torch.channels_last)
+            assert rel(compiled(x), model.double()(x.double())) < 5e-3
+            model.half()
+    return compiled.resfuse_report

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 import resfuse
 from resfuse.ops import PATHS
 
-from .helpers import compare, net, reasons, rel, unloadable
+from .helpers import compare, half_calls, net, reasons, rel, unloadable
 
 
 @settings(max_examples=6, deadline=None)
@@ -39,16 +39,8 @@ def test_a_chain_out_of_resources_runs_as_two_ops(monkeypatch, capsys):
 
     launches = []
     monkeypatch.setattr(chain.ChainPlan, "launch", unloadable(launches))
-    model = net((16, 16, 2, 1)).eval().half().to(memory_format=torch.channels_last)
-    torch._dynamo.reset()
-    PATHS.clear()
-    compiled = resfuse.compile(model, interpret=True, shortcut_convs=False)
-    with torch.no_grad():
-        for _ in range(2):
-            x = torch.randn(1, 3, 4, 5).half().contiguous(memory_format=torch.channels_last)
-            assert rel(compiled(x), model.double()(x.double())) < 5e-3
-            model.half()
-    chains = [f for f in compiled.resfuse_report.fusions if f.anchor == "conv2d_chain"]
+    report = half_calls(net((16, 16, 2, 1)), (1, 3, 4, 5), shortcut_convs=False)
+    chains = [f for f in report.fusions if f.anchor == "conv2d_chain"]
     ran = {path for (op, _, path), n in PATHS.items() if op == "conv2d_chain" and n}
     assert chains and ran == {"separate"}
     assert capsys.readouterr().out.count("runs as two ops") == 1 and len(launches) == 1  # refused once, remembered
