@@ -245,9 +245,14 @@ def _conv_plan(x, w, operands, signature, stride, padding, dilation, out, config
             padding[0], padding[1], dilation[0], dilation[1], s_ok]
     meta = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, SPLIT_K=split, FLAT=cfg.flat,
                 PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    # A 1x1 conv on this kernel (a strided one: the others run as GEMMs) launches without programmatic dependent
+    # launch. With it, ResNet-50 bs1's CUDA graph on an H200, whose tuner put layer 4's stride-2 shortcut conv
+    # here, computed every replay wrong (relative error 1.2), and right with PDL off for this family's plans; its
+    # 3x3 convs keep PDL, which H100 graphs replay right and 2.6% faster at bs1 (bench/replay_check.py
+    # --plans-pdl, thirty-eighth session). Its SASS waits (ACQBULK) before its first load; the cause is not found.
     return Plan(codegen.load(CONV_FAMILY, signature), (tiles, 1, split), head,
                 operand_strides(signature, operands, out.shape, 1), meta, (tiles, split, cfg.block_m, cfg.block_n),
-                out.device, row_blocks=triton.cdiv(nb * oh * ow, cfg.block_m))
+                out.device, row_blocks=triton.cdiv(nb * oh * ow, cfg.block_m), pdl=(r, s) != (1, 1))
 
 
 def _depthwise_plan(x, w, operands, signature, stride, padding, dilation, out, config) -> Plan | None:

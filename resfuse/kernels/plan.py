@@ -116,10 +116,10 @@ class Plan:
 
     def __init__(self, kernel, grid, head: list, operand_strides: list, meta: dict, ws_shape: tuple,
                  device: torch.device, prepare=None, row_blocks: int = 0, operand_boxes: dict | None = None,
-                 out_box: tuple | None = None):
+                 out_box: tuple | None = None, pdl: bool = True):
         self.grid, self.head, self.ws_shape = grid, head, ws_shape
         self.row_blocks = row_blocks  # the mainloop's row_block count (codegen.Family): a bn_stats root's partials
-        self.meta = dict(meta, **pdl_meta(device))
+        self.meta = dict(meta, **(pdl_meta(device) if pdl else {"PDL": False}))
         self.kernel = Launcher(kernel, grid, self.meta)
         self.operand_strides = operand_strides  # None where the [S, P, C] view is not a view (a copy each call)
         self.prepare = prepare  # the inputs -> what the kernel takes for them (TMA descriptors), or None
