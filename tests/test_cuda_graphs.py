@@ -388,3 +388,45 @@ def test_an_eval_model_called_with_grad_enabled_runs_right_and_says_how_to_be_fa
     with torch.no_grad():
         assert rel(out.detach().float(), block(x).float()) < 5e-3
     assert any("torch.no_grad()" in n for n in compiled.resfuse_report.notes), compiled.resfuse_report.notes
+
+
+def test_a_graph_that_does_not_reproduce_its_warm_up_is_dropped(monkeypatch):
+    """A captured graph whose replay computes something else than the un-graphed call on the same inputs (the
+    thirty-eighth session's ResNet-50 bs1 graph on an H200) never serves a call: that signature runs without CUDA
+    graphs from then on, with the right values, said in the report's errors; another signature's good graph
+    still replays (fake CUDA graphs)."""
+    from resfuse.capture.cuda_graphs import mismatch
+
+    _fake_cuda(monkeypatch)
+    calls = []
+
+    def fn(args):
+        x, w = args
+        calls.append(x.shape[0])
+        out = x * w
+        if _FakeGraph.capturing is not None:  # the graph of batch 3 adds 1 on replay: wrong
+            wrong = 1.0 if x.shape[0] == 3 else 0.0
+            _FakeGraph.capturing.work = lambda: out.copy_(x * w + wrong)
+        return [out]
+
+    class OnCuda(CudaGraphed):
+        @staticmethod
+        def _on_cuda(args):
+            return True
+
+    class Report:
+        errors = []
+
+    wrapped, w = OnCuda(fn, Report), torch.randn(4)
+    kept = []
+    for step in range(8):  # batch 2 and 3 in turn: first calls, captures, then replays (2) or plain calls (3)
+        x = torch.randn(2 + step % 2, 4)
+        kept.append(x)
+        assert torch.equal(wrapped([x, w])[0], x * w)
+    assert len(Report.errors) == 1 and "relative error" in Report.errors[0]
+    assert [c for c in calls[6:] if c == 2] == []  # batch 2 replays its graph: fn ran only for batch 3
+    assert calls.count(3) == 6  # batch 3: its first call; at its second the warm-up, the capture and a plain call;
+    # then a plain call at each of its two later calls
+    assert mismatch([torch.tensor([1.0, float("nan")])], [torch.tensor([1.0, float("nan")])]) is None
+    assert "NaN" in mismatch([torch.tensor([1.0, float("nan")])], [torch.tensor([1.0, 2.0])])
+    assert mismatch([torch.tensor([1, 2])], [torch.tensor([1, 3])]) == "output 0 differs"

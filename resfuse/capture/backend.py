@@ -77,7 +77,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs, *, config: Config, graph: 
     if graphed_here:
         if why_not:
             report.notes.append(f"{graph} graph runs without CUDA graphs: {why_not}")
-        built = cuda_graphs.wrap(built, gm, example_inputs, graph, why_not, graphed if graphed is not None else {})
+        built = cuda_graphs.wrap(built, gm, example_inputs, graph, why_not, graphed if graphed is not None else {},
+                                   report)
     return constants.wrap(built) if constants else built
 
 
