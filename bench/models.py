@@ -13,14 +13,20 @@ call cannot compile every model in every mode, so run it more than once with --j
 Each job runs in a Python process of its own (--in-process: all in this one). Jobs that shared a process
 inherited the earlier ones' compiled graphs, caches and garbage: MobileNetV3 bs1 under resfuse+graphs measured
 1.033 ms as the third job of a process and 0.285 ms alone (twenty-third session, H100), its peers unmoved.
+
+--lanes N runs N job processes at once on a machine of N GPUs: lane i has GPU i and the i-th N-th of the CPUs
+(its compile workers too), so no lane's host-bound peer shares cores with another lane's compiles. Each lane
+measures its own GPU's ceilings with its first job. Each job's output goes to OUT/lane<i>.log.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -64,9 +70,10 @@ def bench_args(name: str, batch: int, peers: str, iters: int, ceilings: str | No
     return args
 
 
-def one_job(name: str, batch: int, opts: argparse.Namespace, ceilings: str | None) -> dict:
+def one_job(name: str, batch: int, opts: argparse.Namespace, ceilings: str | None, lane: int | None = None) -> dict:
     """One job's result dict, measured here (--in-process) or by this script in a child process, whose own
-    output (a models.json, the ResNet-50 bs32 plot) goes to OUT/jobs/MODEL_bsBATCH."""
+    output (a models.json, the ResNet-50 bs32 plot) goes to OUT/jobs/MODEL_bsBATCH; a lane's child runs on the
+    lane's GPU and CPUs, its output appended to OUT/lane<i>.log."""
     if opts.in_process:
         return run.benchmark(bench_args(name, batch, opts.peers, opts.iters, ceilings, opts.device, opts.profile,
                                         opts.dtype))
@@ -75,7 +82,19 @@ def one_job(name: str, batch: int, opts: argparse.Namespace, ceilings: str | Non
             "--iters", str(opts.iters), "--device", opts.device, "--dtype", opts.dtype, "--out", str(out),
             "--budget-s", "inf"]
     argv += ["--profile"] * opts.profile + (["--ceilings", ceilings] if ceilings else [])
-    rc = subprocess.run(argv).returncode
+    if lane is None:
+        rc = subprocess.run(argv).returncode
+    else:
+        cpus = sorted(os.sched_getaffinity(0))
+        share = len(cpus) // opts.lanes
+        mine = cpus[lane * share:(lane + 1) * share]
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(lane), TORCHINDUCTOR_COMPILE_THREADS=str(share),
+                   RESFUSE_COMPILE_WORKERS=str(max(1, share // 2)))
+        with open(Path(opts.out) / f"lane{lane}.log", "a") as log:
+            log.write(f"\n=== {name} bs{batch} ===\n")
+            log.flush()
+            rc = subprocess.run(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=lambda: os.sched_setaffinity(0, mine)).returncode
     found = json.loads((out / "models.json").read_text()) if (out / "models.json").exists() else []
     return found[0] if found else {"model": name, "batch": batch, "error": f"its process exited with {rc}"}
 
@@ -110,6 +129,48 @@ def compact(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def in_lanes(jobs: list[tuple[str, int]], opts: argparse.Namespace) -> list[dict]:
+    """The jobs over opts.lanes lanes, each taking the next job as it frees; results in the jobs' order."""
+    todo: queue.Queue = queue.Queue()
+    for index, job in enumerate(jobs):
+        todo.put((index, job))
+    done: dict[int, dict] = {}
+    lock = threading.Lock()
+    start = time.perf_counter()
+
+    def lane(i: int) -> None:
+        ceilings = opts.ceilings
+        while time.perf_counter() - start < opts.budget_s:
+            try:
+                index, (name, batch) = todo.get_nowait()
+            except queue.Empty:
+                return
+            t0 = time.perf_counter()
+            try:
+                result = one_job(name, batch, opts, ceilings, lane=i)
+            except Exception as e:  # as in the sequential sweep: one job failing must not end its lane
+                traceback.print_exc()
+                result = {"model": name, "batch": batch, "error": f"{type(e).__name__}: {e}"}
+            if c := result.get("ceilings"):
+                ceilings = ceilings or f"{c['matmul_flops_per_s']},{c['copy_bytes_per_s']}"
+            result["job_s"], result["lane"] = time.perf_counter() - t0, i
+            print(f"lane {i}: {name} bs{batch} done in {result['job_s']:.0f} s", flush=True)
+            with lock:
+                done[index] = result
+                ordered = [done[k] for k in sorted(done)]
+                (Path(opts.out) / "models.json").write_text(json.dumps(report._finite_or_none(ordered), indent=1))
+
+    threads = [threading.Thread(target=lane, args=(i,)) for i in range(opts.lanes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    left = [f"{m}:{b}" for k, (m, b) in enumerate(jobs) if k not in done]
+    if left:
+        print(f"budget: skipped {', '.join(left)}", flush=True)
+    return [done[k] for k in sorted(done)]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--jobs", help="comma list of model:batch (default: the issue's sweep, prioritised)")
@@ -122,10 +183,15 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true", help="top kernels of compile and resfuse in the JSON")
     parser.add_argument("--in-process", action="store_true", help="every job in this process, not one each")
     parser.add_argument("--ceilings", help="matmul FLOP/s,copy B/s to reuse (default: the first job measures them)")
+    parser.add_argument("--lanes", type=int, default=1, help="job processes at once, one GPU and CPU share each")
     opts = parser.parse_args()
     jobs = parse_jobs(opts.jobs) if opts.jobs else default_jobs()
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
+    if opts.lanes > 1:
+        results = in_lanes(jobs, opts)
+        print("\n" + compact(results), flush=True)
+        return 0
     results: list[dict] = []
     ceilings = opts.ceilings  # else measured by the first job, then reused so every job shares one pair
     start, last = time.perf_counter(), 0.0
