@@ -85,3 +85,23 @@ def test_launch_without_a_plan_keys_on_what_the_jit_specialises(device):
         plan.launch(_axpy, (triton.cdiv(n, 16),), x, y, out, n, a, BLOCK=16)
         torch.testing.assert_close(out, a * x + y)
     assert len(plan._LAUNCHERS) == before + 3  # aligned n=33, odd offset n=33, n=1
+
+
+def test_a_strided_1x1_conv_on_the_pointer_kernel_launches_without_pdl(monkeypatch):
+    """With programmatic dependent launch, ResNet-50 bs1's CUDA graph replayed wrong where layer 4's stride-2 shortcut
+    conv ran on the pointer conv kernel (thirty-eighth session, BENCHMARKS.md): that kernel's 1x1 plans launch
+    without it, its 3x3 plans keep it, wherever PDL is on (here faked on, since the interpreter turns it off)."""
+    monkeypatch.setattr(plan, "pdl_meta", lambda device: {"PDL": True, "launch_pdl": True})
+    cl = torch.channels_last
+    x = torch.randn(1, 32, 8, 8).contiguous(memory_format=cl)
+    cfg = launch.ConvConfig(32, 32, 16, 2, 2, False, 4, 2)
+    metas = {}
+    for r, stride, pad in ((1, 2, 0), (3, 1, 1), (3, 2, 1)):
+        w = torch.randn(48, 32, r, r).contiguous(memory_format=cl)
+        oh = (8 + 2 * pad - r) // stride + 1
+        out = torch.empty(1, 48, oh, oh).contiguous(memory_format=cl)
+        p = launch._conv_plan(x, w, [], "acc", [stride, stride], [pad, pad], [1, 1], out, cfg)
+        assert p.kernel.kernel.__name__ == "resfuse_conv2d_fprop"
+        metas[(r, stride)] = p.meta
+    assert metas[(1, 2)]["PDL"] is False and "launch_pdl" not in metas[(1, 2)]
+    assert metas[(3, 1)]["PDL"] is True and metas[(3, 2)]["launch_pdl"] is True
