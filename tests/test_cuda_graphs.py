@@ -54,19 +54,26 @@ def _fake_cuda(monkeypatch):
     _FakeGraph.made = 0
 
 
-def test_each_input_signature_keeps_its_graph(monkeypatch):
-    """A dynamic batch alternating between sizes replays each size's graph without capturing again; past
-    MAX_SIGNATURES the least recently used graph goes; a moved parameter re-captures (fake CUDA graphs)."""
-    _fake_cuda(monkeypatch)
-    calls = []
-
+def _product(calls: list, replay_adds=lambda batch: 0.0):
+    """fn([x, w]) = [x * w], recording each call's batch; under a fake capture its graph recomputes x * w plus
+    replay_adds(batch) in place (not zero: a graph that replays wrong)."""
     def fn(args):
         x, w = args
         calls.append(x.shape[0])
         out = x * w
         if _FakeGraph.capturing is not None:
-            _FakeGraph.capturing.work = lambda: out.copy_(x * w)
+            extra = replay_adds(x.shape[0])
+            _FakeGraph.capturing.work = lambda: out.copy_(x * w + extra)
         return [out]
+    return fn
+
+
+def test_each_input_signature_keeps_its_graph(monkeypatch):
+    """A dynamic batch alternating between sizes replays each size's graph without capturing again; past
+    MAX_SIGNATURES the least recently used graph goes; a moved parameter re-captures (fake CUDA graphs)."""
+    _fake_cuda(monkeypatch)
+    calls = []
+    fn = _product(calls)
 
     class OnCuda(CudaGraphed):
         MAX_SIGNATURES = 2
@@ -399,15 +406,7 @@ def test_a_graph_that_does_not_reproduce_its_warm_up_is_dropped(monkeypatch):
 
     _fake_cuda(monkeypatch)
     calls = []
-
-    def fn(args):
-        x, w = args
-        calls.append(x.shape[0])
-        out = x * w
-        if _FakeGraph.capturing is not None:  # the graph of batch 3 adds 1 on replay: wrong
-            wrong = 1.0 if x.shape[0] == 3 else 0.0
-            _FakeGraph.capturing.work = lambda: out.copy_(x * w + wrong)
-        return [out]
+    fn = _product(calls, replay_adds=lambda batch: 1.0 if batch == 3 else 0.0)  # batch 3's graph replays wrong
 
     class OnCuda(CudaGraphed):
         @staticmethod
