@@ -109,7 +109,7 @@ def mismatch(outputs, expected, tol: float = 1e-3) -> str | None:
             if not torch.equal(out, ref):
                 return f"output {i} differs"
             continue
-        a, b = out.double(), ref.double()
+        a, b = out.float(), ref.float()
         if not torch.equal(a.isnan(), b.isnan()):
             return f"output {i} has NaN where the un-graphed run has none, or the reverse"
         ok = ~b.isnan()
@@ -178,7 +178,7 @@ class CudaGraphed:
         cap.remember(args, ptrs)
         cap.graph.replay()
         if why := mismatch(cap.outputs, expected):
-            cap.graph, cap.outputs, cap.tickets, cap.refused = None, None, None, why
+            cap.graph, cap.outputs, cap.tickets, cap.static, cap.refused = None, None, None, [], why
             message = (f"a CUDA graph's replay did not reproduce its un-graphed run ({why}); calls of input shapes "
                        f"{[tuple(a.shape) for a in args if isinstance(a, torch.Tensor)][:3]}... run without CUDA "
                        "graphs. This is a resfuse bug: please report it")
