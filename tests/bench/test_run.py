@@ -120,3 +120,25 @@ def test_vacuous_outputs_are_named(forward, why):
     sets = timing.input_sets((torch.randn(3, 4),))
     found = run.vacuous(forward, sets, timing.run_once(forward, sets[0]))
     assert found is None if why is None else why in found
+
+
+def test_the_error_column_checks_a_call_after_the_timed_ones(tmp_path, monkeypatch):
+    """resfuse+graphs' first call runs before its CUDA graph is captured: a peer right on its first call and wrong on
+    every later one (a graph that replays wrong) must show its error, not the first call's zero."""
+    (tmp_path / "tiny.py").write_text(MODEL)
+    build = run._build
+
+    def wrong_after_first(name, model):
+        fn, calls = build(name, model), []
+
+        def call(*inputs):
+            calls.append(1)
+            out = fn(*inputs)
+            return out if len(calls) == 1 else out + 1
+        return call
+    monkeypatch.setattr(run, "_build", wrong_after_first)
+    args = parse([f"{tmp_path / 'tiny.py'}:make", "--batch", "2", "--image-size", "8", "--device", "cpu",
+                  "--peers", "eager", "--iters", "3", "--json", str(tmp_path / "out.json")])
+    assert run.main(args) == 0
+    peer = json.loads((tmp_path / "out.json").read_text())["peers"]["eager"]
+    assert peer["max_rel_err"] > 0.1
