@@ -17,6 +17,10 @@ inherited the earlier ones' compiled graphs, caches and garbage: MobileNetV3 bs1
 --lanes N runs N job processes at once on a machine of N GPUs: lane i has GPU i and the i-th N-th of the CPUs
 (its compile workers too), so no lane's host-bound peer shares cores with another lane's compiles. Each lane
 measures its own GPU's ceilings with its first job. Each job's output goes to OUT/lane<i>.log.
+
+--batch-peers "1=eager,reduce-overhead;256=eager,compile" gives some batch sizes their own peers (the zoo tables
+leave compile out at bs1, where it ran 4-10x slower than reduce-overhead, and reduce-overhead out at bs256, where
+it equals compile); other batches take --peers.
 """
 from __future__ import annotations
 
@@ -70,15 +74,23 @@ def bench_args(name: str, batch: int, peers: str, iters: int, ceilings: str | No
     return args
 
 
+def peers_for(batch: int, opts: argparse.Namespace) -> str:
+    for item in filter(None, (opts.batch_peers or "").split(";")):
+        at, _, peers = item.partition("=")
+        if int(at) == batch:
+            return peers
+    return opts.peers
+
+
 def one_job(name: str, batch: int, opts: argparse.Namespace, ceilings: str | None, lane: int | None = None) -> dict:
     """One job's result dict, measured here (--in-process) or by this script in a child process, whose own
     output (a models.json, the ResNet-50 bs32 plot) goes to OUT/jobs/MODEL_bsBATCH; a lane's child runs on the
     lane's GPU and CPUs, its output appended to OUT/lane<i>.log."""
     if opts.in_process:
-        return run.benchmark(bench_args(name, batch, opts.peers, opts.iters, ceilings, opts.device, opts.profile,
+        return run.benchmark(bench_args(name, batch, peers_for(batch, opts), opts.iters, ceilings, opts.device, opts.profile,
                                         opts.dtype))
     out = Path(opts.out) / "jobs" / f"{name.replace('/', '_').replace(':', '_')}_bs{batch}"
-    argv = [sys.executable, __file__, "--in-process", "--jobs", f"{name}:{batch}", "--peers", opts.peers,
+    argv = [sys.executable, __file__, "--in-process", "--jobs", f"{name}:{batch}", "--peers", peers_for(batch, opts),
             "--iters", str(opts.iters), "--device", opts.device, "--dtype", opts.dtype, "--out", str(out),
             "--budget-s", "inf"]
     argv += ["--profile"] * opts.profile + (["--ceilings", ceilings] if ceilings else [])
@@ -175,6 +187,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--jobs", help="comma list of model:batch (default: the issue's sweep, prioritised)")
     parser.add_argument("--peers", default="eager,compile,reduce-overhead")
+    parser.add_argument("--batch-peers", help='per-batch peers, e.g. "1=eager,reduce-overhead;256=eager,compile"')
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--budget-s", type=float, default=540.0, help="start no job past this (seconds)")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))

@@ -24,11 +24,13 @@ def row(r: dict) -> str:
     best_peer = min(others, key=others.get) if others else None
     ours = ms(r, "resfuse+graphs")
     vs = f"**{others[best_peer] / ours:.2f}x** ({best_peer})" if best_peer and ours else "-"
-    rf = r["peers"].get("resfuse+graphs", {})
-    err = rf.get("max_rel_err")
+    errs = [e for p in ("resfuse", "resfuse+graphs") if (e := r["peers"].get(p, {}).get("max_rel_err")) is not None]
+    err = f"{max(errs):.1e}" if errs else "-"
+    if any("vacuous" in note for note in r.get("notes", [])):
+        err += " (vacuous)"
     first = r["peers"].get("resfuse", {}).get("compile_s")  # the variant that ran first: capture + cold tuning
     return (f"| {r['model']} | {r['batch']} | {r['floor']['ms']:.3f} | " + " | ".join(cells)
-            + f" | {vs} | {'-' if err is None else f'{err:.1e}'} | {'-' if first is None else f'{first:.0f}'} |")
+            + f" | {vs} | {err} | {'-' if first is None else f'{first:.0f}'} |")
 
 
 def main(paths: list[str]) -> int:
@@ -40,7 +42,7 @@ def main(paths: list[str]) -> int:
                 results[(r["model"], r["batch"])] = r
     batches = sorted({b for _, b in results})
     print("| model | bs | floor | " + " | ".join(PEERS)
-          + " | resfuse+graphs vs best peer | rel err | resfuse first call s |")
+          + " | resfuse+graphs vs best peer | rel err (worse of the two resfuse) | resfuse first call s |")
     print("| --- " * (len(PEERS) + 6) + "|")
     for batch in batches:
         for (model, b), r in results.items():
