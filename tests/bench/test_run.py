@@ -47,7 +47,8 @@ def bench(tmp_path_factory):
 NUMBER = (int, float)
 PEER_FIELDS = {"status": str, "latency_ms": NUMBER, "latency_min_ms": NUMBER, "latency_p90_ms": NUMBER,
                "throughput_items_per_s": NUMBER, "compile_s": NUMBER, "x_floor": NUMBER,
-               "max_rel_err": NUMBER, "max_abs_err": NUMBER, "speedup_of_resfuse": dict}
+               "max_rel_err": NUMBER, "max_abs_err": NUMBER, "first_rel_err": NUMBER, "late_rel_err": NUMBER,
+               "speedup_of_resfuse": dict}
 
 
 def test_json_schema(bench):
@@ -142,3 +143,4 @@ def test_the_error_column_checks_a_call_after_the_timed_ones(tmp_path, monkeypat
     assert run.main(args) == 0
     peer = json.loads((tmp_path / "out.json").read_text())["peers"]["eager"]
     assert peer["max_rel_err"] > 0.1
+    assert peer["first_rel_err"] == 0 and peer["late_rel_err"] > 0.1  # and the JSON says which call it was
