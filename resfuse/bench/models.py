@@ -22,8 +22,11 @@ transformers but no torchvision, still runs the default. `resolve(name)` says wh
 run.py records it in the JSON so the two are never confused.
 
 Weights are random (seeded), so outputs are meaningless but deterministic; the numerics check compares
-each compiled peer against eager on the same weights. HF models are wrapped to return one tensor (logits
-or last_hidden_state) rather than a ModelOutput, so every peer's output compares the same way.
+each compiled peer against eager on the same weights. A zoo image model's batch norms get running statistics
+from two random batches (`calibrate`), as training would give them. With the default ones (mean 0, variance 1)
+a random-init MobileNetV3 or EfficientNet-B0 gave a constant fp16 output, and RegNetY one that did not depend on
+its input: outputs that cannot tell a right peer from a wrong one. HF models are wrapped to return one tensor
+(logits or last_hidden_state) rather than a ModelOutput, so every peer's output compares the same way.
 """
 from __future__ import annotations
 
@@ -98,11 +101,33 @@ def load(name: str, batch: int, dtype: torch.dtype, device: str | torch.device, 
             inputs = (_token_ids(model, batch, seq),)
         else:
             inputs = (torch.randn(batch, 3, image_size, image_size),)
+            calibrate(model.to(device), [torch.randn(8, 3, image_size, image_size, device=device)
+                                         for _ in range(2)])
     model = model.eval().to(device=device, dtype=dtype)
     inputs = tuple(_place(x, dtype, device, channels_last) for x in inputs)
     if channels_last and any(isinstance(x, torch.Tensor) and x.dim() == 4 for x in inputs):
         model = model.to(memory_format=torch.channels_last)
     return model, inputs
+
+
+def calibrate(model: nn.Module, batches: list[torch.Tensor]) -> None:
+    """The batch norms' running statistics set to their average over `batches`, run in train mode (fp32, no
+    gradients); every other module and parameter is left as it was. A model without batch norms, or on the meta
+    device (no values to average), is not run."""
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not norms or not batches or batches[0].is_meta:
+        return
+    momenta = [m.momentum for m in norms]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None  # a cumulative average over the batches
+    model.train()
+    with torch.no_grad():
+        for x in batches:
+            model(x)
+    model.eval()
+    for m, momentum in zip(norms, momenta):
+        m.momentum = momentum
 
 
 def _place(x, dtype, device, channels_last):
