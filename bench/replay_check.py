@@ -10,6 +10,12 @@ it); each call's output is compared with eager's for that input. Prints one line
 relative error, and the report's errors (a graph dropped by CudaGraphed's own check). --pdl-off and --plans-pdl
 switch programmatic dependent launch per kernel module or per plan kernel, to find a kernel whose dependent launch
 breaks a replay (how the thirty-eighth session found the 1x1 conv on resfuse_conv2d_fprop).
+
+--check-ops adds a last variant whose every resfuse op is followed by a synchronize and by the same op on its ATen
+path (provider "aten"), on the same inputs; an op whose output differs (relative error over 1e-2, or non-finite
+where ATen's is finite) is printed with its shapes, its epilogue and the tuner's choice. The synchronize also ends
+any overlap between ops: a wrong model output that these checks do not reproduce points at ordering between ops
+(a dependent launch), not at one op's kernel.
 """
 import argparse
 import ast
@@ -31,6 +37,63 @@ def errors(fn, sets, refs, same_calls: int) -> list[float]:
     for _ in range(same_calls):  # one tensor, call after call
         errs.append(timing.output_error(timing.run_once(fn, sets[0]), refs[0])[0])
     return errs
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)}{'' if value.is_contiguous() else ' strided ' + str(value.stride())}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_describe(v) for v in value) + "]"
+    return repr(value)
+
+
+def _choice(name: str, bound) -> str:
+    if name not in ("conv2d", "conv2d_aux", "gemm", "gemm_aux"):
+        return "-"
+    from resfuse.ops import fused
+    from resfuse.tuning.choose import choose
+
+    a = bound.arguments
+    inputs = (a["x"], a["weight"]) if "x" in a else (a["a"], a["b"])
+    params = (a["stride"], a["padding"], a["dilation"]) if "x" in a else (a["out_shape"],)
+    choice = choose(fused.call_of(name.removesuffix("_aux"), inputs, a["operands"], a["epilogue"], params))
+    return f"{choice.provider} {choice.config}"
+
+
+def check_ops(bad: list) -> None:
+    """Every resfuse op checked against its own ATen path after it runs (see --check-ops); `bad` collects lines."""
+    import inspect
+
+    from resfuse import ops
+
+    if hasattr(check_ops, "lib"):
+        return
+    # a backend kernel outranks the ops' CompositeExplicitAutograd one
+    lib = check_ops.lib = torch.library.Library("resfuse", "IMPL")
+    key = "CUDA" if torch.cuda.is_available() else "CPU"
+    for target, impl in list(ops.IMPLS.items()):
+        name, signature = target.name().split("::")[1], inspect.signature(impl)
+
+        def checked(*args, _impl=impl, _name=name, _signature=signature, **kwargs):
+            out = _impl(*args, **kwargs)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            bound = _signature.bind(*args, **kwargs)
+            bound.arguments["provider"] = "aten"
+            ref = _impl(*bound.args, **bound.kwargs)
+            outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
+            for i, (o, r) in enumerate(zip(outs, refs)):
+                if not isinstance(o, torch.Tensor) or not o.is_floating_point():
+                    continue
+                err = timing.output_error([o], [r])[0]
+                if err > 1e-2:
+                    bound.arguments["provider"] = "triton"
+                    bad.append(f"{_name} output {i}: relative error {err:.1e}; "
+                               f"{ {k: _describe(v) for k, v in bound.arguments.items()} }; choice {_choice(_name, bound)}")
+                    print(bad[-1], flush=True)
+            return out
+        ops.IMPLS[target] = checked
+        lib.impl(name, checked, key)
 
 
 def plans_pdl(state: str, what: str) -> None:
@@ -58,6 +121,8 @@ def main() -> int:
                    help="compile and call torch.compile(mode='reduce-overhead') first, as bench/replay_gaps.py does")
     p.add_argument("--pdl-off", default="", help="comma list of resfuse.kernels modules (plan, chain, shortcut, "
                    "conv2d_image, max_pool, padding, batch_norm) whose kernels launch without PDL")
+    p.add_argument("--check-ops", action="store_true", help="a last variant, the first one's options with every "
+                   "resfuse op checked against its ATen path after it runs")
     p.add_argument("--plans-pdl", default="", help="off:TEXT or on:TEXT: PDL off (on) for plan.Plan kernels whose "
                    "name holds TEXT, or 'split' for split-K plans")
     args = p.parse_args()
@@ -76,7 +141,12 @@ def main() -> int:
         if args.reduce_overhead_first:
             torch._dynamo.reset()
             print(f"{job} reduce-overhead: worst {max(errors(torch.compile(model, mode='reduce-overhead'), sets, refs, 3)):.1e}")
-        for spec in args.variants.split(";"):
+        specs = args.variants.split(";") + ([args.variants.split(";")[0] + " check_ops"] if args.check_ops else [])
+        for spec in specs:
+            if spec.endswith("check_ops"):
+                spec, found = spec.removesuffix("check_ops").strip(), []
+                check_ops(found)
+                print(f"{job}: checking every op against its ATen path", flush=True)
             options = {k: ast.literal_eval(v) for k, _, v in (item.partition("=") for item in spec.split())}
             torch._dynamo.reset()
             fn = resfuse.compile(model, **options)
