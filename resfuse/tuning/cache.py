@@ -54,6 +54,11 @@ class Entry:
     times: dict  # measured seconds of the top candidates, by candidate name
 
 
+# The version of select.py's correctness check, in every key: a choice that an earlier check let through is measured
+# again. 2: the output checked is a run's over poisoned outputs (1 chose cuDNN engine configs that wrote nothing).
+CHECK_VERSION = 2
+
+
 def environment(device, template_version: str) -> tuple[str, int, tuple]:
     """(GPU name, SM count, versions) of this process and device, for a Key."""
     import torch
@@ -71,7 +76,7 @@ def environment(device, template_version: str) -> tuple[str, int, tuple]:
         gpu, sms = "cpu", 0
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     versions = (("torch", torch.__version__), ("triton", triton_version), ("cuda", str(torch.version.cuda)),
-                ("cudnn", str(cudnn)), ("template", template_version))
+                ("cudnn", str(cudnn)), ("template", template_version), ("check", str(CHECK_VERSION)))
     return gpu, sms, versions
 
 

@@ -6,8 +6,11 @@ and the clock are arguments, so tests drive the logic with fake timings (as Trit
 Stage 1 times each kernel config *without* its epilogue and keeps the `top_k` fastest (TVM #9800). Stage 2
 times that shortlist *with* the real epilogue, and its candidates' variants (the same mainloop, its output
 written another way), beside every candidate that has no epilogue-free form (cuDNN's fused graph, the unfused
-ATen baseline), checks each one's output against the reference, and keeps the fastest
-correct one: a config chosen on its epilogue-free time can lose once fused (PyTorch #186059). A candidate
+ATen baseline), checks each one's output against the reference, and keeps the fastest correct one: a config
+chosen on its epilogue-free time can lose once fused (PyTorch #186059). The output checked is a second run's,
+over the first run's outputs poisoned with NaN, so a candidate that leaves some of its output unwritten cannot
+pass on what its scratch buffer held before: for a conv on a 1x1 image (EfficientNet-B0's squeeze-excitation,
+32x480 > 20 channels) every cuDNN engine config but one wrote nothing, and one of them had been chosen. A candidate
 that fails to build or launch, gives a wrong or non-finite answer, or reports an impossible time is
 discarded, never chosen. Candidates run on scratch buffers of their own: never in place on live data
 (OneFlow #9452).
@@ -70,6 +73,15 @@ def _wrong(out, reference, tol: float) -> str | None:
     return None if err <= allowed else f"relative error {err:.2e} > {allowed:.1e}"
 
 
+def _poisoned_run(c: Candidate):
+    """c's outputs from a run over its previous run's outputs filled with NaN (its scratch buffers are reused)."""
+    first = c.run()
+    for t in first if isinstance(first, tuple) else (first,):
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            t.fill_(float("nan"))
+    return c.run()
+
+
 def _relerr(x64: torch.Tensor, ref64: torch.Tensor) -> float:
     return ((x64 - ref64).nan_to_num().norm() / ref64.nan_to_num().norm().clamp_min(1e-30)).item()
 
@@ -104,7 +116,7 @@ def select(candidates: list[Candidate], reference: torch.Tensor | tuple, *, benc
             discarded[c.name] = "tuning budget spent"
             continue
         try:
-            why = _wrong(c.run(), reference, tol)
+            why = _wrong(_poisoned_run(c), reference, tol)
         except Exception as e:  # as above: this candidate is out, the reason is recorded
             why = f"{type(e).__name__}: {e}"
         t = None

@@ -92,3 +92,13 @@ def test_tolerance_allows_for_rounding_into_the_output_dtype():
         assert select([cand("c", out=good)], ref, bench=lambda fn: 1.0, tol=5e-3).winner is not None
     bad = cand("bad", out=(ref * 1.03).half())
     assert "relative error" in select([bad], ref, bench=lambda fn: 1.0, tol=5e-3).discarded["bad"]
+
+
+def test_a_candidate_that_leaves_its_output_unwritten_is_discarded():
+    """Its scratch buffer already holds the right answer (memory a reference freed, a previous run): only a run
+    over poisoned outputs tells it from one that computes. cuDNN's engines for a conv on a 1x1 image wrote nothing."""
+    stale, scratch = REF.clone(), torch.empty_like(REF)
+    idle = Candidate("cudnn", "idle", {}, lambda: stale)
+    writes = Candidate("cudnn", "writes", {}, lambda: scratch.copy_(REF))
+    out = select([idle, writes], REF, bench=fake_bench({idle.run: 1.0, writes.run: 2.0}), tol=1e-6)
+    assert out.winner is writes and "non-finite" in out.discarded["idle"]
