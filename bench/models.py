@@ -132,12 +132,14 @@ def compact(results: list[dict]) -> str:
         cells = "".join(f"{ms(c):>10.3f}" if ms(c) else f"{p.get(c, {}).get('status', '-')[:9]:>10}"
                         for c in cols)
         err = p.get("resfuse", {}).get("max_rel_err")
+        flag = "!" if any(p.get(v, {}).get("within_bound") is False for v in ("resfuse", "resfuse+graphs")) else ""
         paths = ",".join(f"{k}:{v}" for k, v in p.get("resfuse", {}).get("paths", {}).items()) or "-"
         lines.append(f"{r['model']:<20}{r['batch']:>4}{r['floor']['ms']:>8.3f}{cells}"
                      f"{ratio('compile', 'resfuse'):>7}{ratio('reduce-overhead', 'resfuse+graphs'):>8}"
-                     f"{'-' if err is None else format(err, '.1e'):>9}  {paths}")
+                     f"{('-' if err is None else format(err, '.1e')) + flag:>9}  {paths}")
     lines.append("ms = median latency; c/rf = compile ms / resfuse ms; ro/rfg = reduce-overhead ms / "
-                 "resfuse+graphs ms (>1: resfuse faster); rf err = ||resfuse - eager|| / ||eager||")
+                 "resfuse+graphs ms (>1: resfuse faster); rf err = ||resfuse - eager|| / ||eager||, ! where a resfuse "
+                 "variant's error is over its bound")
     return "\n".join(lines)
 
 

@@ -28,6 +28,8 @@ def row(r: dict) -> str:
     err = f"{max(errs):.1e}" if errs else "-"
     if any("vacuous" in note for note in r.get("notes", [])):
         err += " (vacuous)"
+    if any(r["peers"].get(p, {}).get("within_bound") is False for p in ("resfuse", "resfuse+graphs")):
+        err += " **over its bound**"
     first = r["peers"].get("resfuse", {}).get("compile_s")  # the variant that ran first: capture + cold tuning
     return (f"| {r['model']} | {r['batch']} | {r['floor']['ms']:.3f} | " + " | ".join(cells)
             + f" | {vs} | {err} | {'-' if first is None else f'{first:.0f}'} |")

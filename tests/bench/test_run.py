@@ -78,6 +78,7 @@ def test_peers_eager_and_resfuse(bench):
         assert peer["status"] == "ok", (name, peer.get("error"))
         for key, kind in PEER_FIELDS.items():
             assert isinstance(peer[key], kind), (name, key)
+    assert result["peers"]["resfuse"]["within_bound"] is True and "err_bound" not in result["peers"]["eager"]
     resfuse, eager = result["peers"]["resfuse"], result["peers"]["eager"]
     assert resfuse["max_rel_err"] < 1e-4  # fp32: resfuse must compute eager's function
     assert eager["speedup_of_resfuse"]["resfuse"] == pytest.approx(eager["latency_ms"] / resfuse["latency_ms"])
@@ -141,6 +142,10 @@ def test_the_error_column_checks_a_call_after_the_timed_ones(tmp_path, monkeypat
     args = parse([f"{tmp_path / 'tiny.py'}:make", "--batch", "2", "--image-size", "8", "--device", "cpu",
                   "--peers", "eager", "--iters", "3", "--json", str(tmp_path / "out.json")])
     assert run.main(args) == 0
-    peer = json.loads((tmp_path / "out.json").read_text())["peers"]["eager"]
+    result = json.loads((tmp_path / "out.json").read_text())
+    peer = result["peers"]["eager"]
     assert peer["max_rel_err"] > 0.1
     assert peer["first_rel_err"] == 0 and peer["late_rel_err"] > 0.1  # and the JSON says which call it was
+    ours = result["peers"]["resfuse"]  # a resfuse peer over its bound is called wrong in the notes
+    assert ours["within_bound"] is False and ours["err_bound"] == run.MODEL_TOLERANCE[torch.float32]
+    assert any("resfuse's relative error" in note and "over its bound" in note for note in result["notes"])
