@@ -50,6 +50,11 @@ def test_refusals_say_why():
     grouped = Call("conv2d_dgrad", (dy, w), [], "acc", ([1, 1], [1, 1], [1, 1]),
                    Output.of([2, 4, 5, 5], torch.float32, torch.device("cpu")))
     assert "grouped convolution" in cudnn.refusal(grouped)
+    x, w = torch.randn(32, 480, 1, 1).half(), torch.randn(20, 480, 1, 1).half()  # a squeeze-excitation conv
+    one_pixel = Call("conv2d", (x, w), [torch.randn(20).half()], "silu(add(acc,c0))", ([1, 1], [0, 0], [1, 1]),
+                     Output.of([32, 20, 1, 1], torch.float16, torch.device("cpu")))
+    assert cudnn.refusal(one_pixel) == cudnn.ONE_PIXEL
+    assert cudnn.conv_stats_refusal(x, w, (32, 20, 1, 1), (20, 1, 1, 1), [1, 1], [0, 0], [1, 1]) == cudnn.ONE_PIXEL
 
 
 def test_no_cudnn_candidates_on_cpu():

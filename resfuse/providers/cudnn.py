@@ -77,6 +77,11 @@ def _gemm_refusal(call) -> str | None:
     return None
 
 
+# bench/cudnn_engines.py (H200, cuDNN 9.19, frontend 1.32): for a conv on a 1x1 image (EfficientNet-B0's
+# squeeze-excitation, 32x480 > 20 and 32x1152 > 48 channels) 12 of the 13 engine configs wrote nothing.
+ONE_PIXEL = "a conv on a 1x1 image (cuDNN's engine configs for it left their output unwritten)"
+
+
 def refusal(call) -> str | None:
     if call.op not in ("conv2d", "conv2d_dgrad", "gemm"):
         return "cuDNN graphs are built for conv2d forward and data gradient and for 2-D GEMMs only"
@@ -86,6 +91,8 @@ def refusal(call) -> str | None:
             return why
     elif (call.inputs[0].shape[1] if call.op == "conv2d" else call.out.shape[1]) != call.inputs[1].shape[1]:
         return "grouped convolution (the graph's conv is built for groups=1)"
+    elif call.op == "conv2d" and tuple(call.inputs[0].shape[2:]) == (1, 1):
+        return ONE_PIXEL
     if call.out.device.type != "cuda":
         return f"cuDNN needs a CUDA device, not {call.out.device}"
     if _cudnn() is None:
@@ -392,6 +399,8 @@ def _stats_plan(x, w, y_shape, y_stride, stride, padding, dilation) -> StatsPlan
 
 def conv_stats_refusal(x, w, y_shape, y_stride, stride, padding, dilation) -> str | None:
     """Why cuDNN cannot run conv_stats on these (fake or real) tensors, or None; builds and keeps the plan."""
+    if tuple(x.shape[2:]) == (1, 1):
+        return ONE_PIXEL
     if _cudnn() is None:
         return "nvidia-cudnn-frontend is not installed (pip install resfuse[cudnn])"
     if x.device.type != "cuda":
