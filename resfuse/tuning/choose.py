@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import gc
+import json
 import os
 import time
 from pathlib import Path
@@ -135,6 +136,11 @@ def choose(call: Call) -> Choice:
         return _CHOICES[fast]
     k = key(call)
     entry = None if _SETTINGS["force"] else _cache().get(k)
+    replace = _SETTINGS["force"]
+    if entry is not None and (why := _off_thread(call.out.device, cached_is_wrong, call, entry, level)):
+        print(f"resfuse: {call.op} {_shape(call)} {call.signature}: the cached choice {entry.provider} "
+              f"{entry.config} is wrong here ({why[:200]}); measuring again")
+        entry, replace = None, True
     if entry is None:
         remaining = _SETTINGS["budget_s"] - _STATE["spent_s"]
         if remaining <= 0:
@@ -154,7 +160,7 @@ def choose(call: Call) -> Choice:
             # nothing matched the fp32 reference: run what eager runs, and don't measure this op again
             _CHOICES[fast] = UNFUSED
             return UNFUSED
-        _cache().put(k, entry, replace=_SETTINGS["force"])
+        _cache().put(k, entry, replace=replace)
     else:
         PROGRESS.op_done()  # a cache hit: no line
     # triton: its kernel config; cudnn: its engine config's name, and "fold_bn" where the batch norm is folded
@@ -162,6 +168,19 @@ def choose(call: Call) -> Choice:
                     else dict(entry.config) or None)
     _CHOICES[fast] = choice
     return choice
+
+
+def cached_is_wrong(call: Call, entry: Entry, level: str) -> str | None:
+    """Why the cached choice gives a wrong answer on `call`, or None: checked as the tuner checks a candidate, once a
+    process before its first use. A cache can hold a choice that an earlier check let through (before
+    CHECK_VERSION 2, a cuDNN engine config that wrote nothing), or one made by another driver or GPU of the same
+    name. A choice that is not among this level's candidates (cached by tuning "max") runs unchecked."""
+    same = json.dumps(entry.config, sort_keys=True)  # as the cache stores it
+    found = [c for c in providers.candidates(call, level, allowed=(entry.provider,))
+             if json.dumps(c.config, sort_keys=True) == same]
+    if not found:
+        return None
+    return select.check(found[0], _reference(call), TOLERANCE[call.inputs[0].dtype])
 
 
 _OUT_OF_RESOURCES: set = set()  # fast keys of calls whose config of our kernel did not load here

@@ -73,6 +73,15 @@ def _wrong(out, reference, tol: float) -> str | None:
     return None if err <= allowed else f"relative error {err:.2e} > {allowed:.1e}"
 
 
+def check(c: Candidate, reference, tol: float) -> str | None:
+    """Why c's answer is wrong, or None: its output on a run over its previous outputs poisoned with NaN, against
+    the reference. A candidate that raises is wrong too (this candidate is out, the reason is recorded)."""
+    try:
+        return _wrong(_poisoned_run(c), reference, tol)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
 def _poisoned_run(c: Candidate):
     """c's outputs from a run over its previous run's outputs filled with NaN (its scratch buffers are reused)."""
     first = c.run()
@@ -115,10 +124,7 @@ def select(candidates: list[Candidate], reference: torch.Tensor | tuple, *, benc
         if over_budget() and best is not None:
             discarded[c.name] = "tuning budget spent"
             continue
-        try:
-            why = _wrong(_poisoned_run(c), reference, tol)
-        except Exception as e:  # as above: this candidate is out, the reason is recorded
-            why = f"{type(e).__name__}: {e}"
+        why = check(c, reference, tol)
         t = None
         if not why:
             t, why = _timed(bench, c.run)

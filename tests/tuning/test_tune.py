@@ -280,3 +280,25 @@ def test_a_versioned_op_keys_again_only_the_epilogues_that_hold_it(monkeypatch):
     monkeypatch.setitem(epi.OPS, "gelu", dataclasses.replace(epi.OPS["gelu"], version=epi.OPS["gelu"].version + 1))
     after = [ch.key(call(s)) for s in sigs]
     assert [b != a for b, a in zip(before, after)] == [True, True, False, False]
+
+
+def test_a_cached_choice_that_is_wrong_here_is_measured_again(tmp_path, monkeypatch, capsys):
+    """A cache can hold a choice an older check let through (a cuDNN engine config that wrote nothing): before its
+    first use in a process it is checked as a candidate is, and measured again where it is wrong."""
+    from resfuse.providers import triton as prov
+
+    monkeypatch.setattr(ch, "_tunable", lambda device: True)
+    monkeypatch.setattr(ch, "_CHOICES", {})
+    monkeypatch.setattr(ch, "_bench", bench_favouring("triton"))
+    ch.configure("fast", str(tmp_path), budget_s=600)
+    call = conv_call()
+    assert ch.choose(call).provider == "triton"
+    ch._CHOICES.clear()
+    monkeypatch.setattr(ch, "_bench", lambda fn: pytest.fail("a right cached choice was measured again"))
+    assert ch.choose(call).provider == "triton"  # a right cached choice is kept, nothing measured
+    ch._CHOICES.clear()
+    monkeypatch.setattr(prov, "_launch", lambda call, sig, ops, out, cfg, *aux: out)  # our kernel now writes nothing
+    monkeypatch.setattr(ch, "_bench", bench_favouring("aten"))
+    assert ch.choose(call).provider == "aten"
+    assert "is wrong here" in capsys.readouterr().out
+    assert ch._cache().get(ch.key(call)).provider == "aten"  # the wrong entry replaced
