@@ -29,10 +29,12 @@ JSON schema ("schema": "resfuse-bench/1"); every time is the median unless its n
                 (||out - ref|| / ||ref|| vs eager, the worse of the first call and a call after the timed ones:
                 resfuse+graphs' first call runs before its CUDA graph is captured), max_abs_err: float | null,
                 first_rel_err, late_rel_err (the two calls' relative errors apart: which one went wrong),
-                err_bound, within_bound (resfuse peers only: the dtype's tolerance or twice the worst compiled
-                peer's error, whichever is larger, and whether max_rel_err stays within it),
+                err_bound, within_bound (resfuse peers only: the dtype's tolerance, or twice the worst compiled
+                peer's error or eager_fp32_rel_err, whichever is largest, and whether max_rel_err stays within it),
                 speedup_of_resfuse {resfuse variant: this peer's latency / the variant's latency},
                 paths {path: calls} (resfuse peers only: which implementation ran, e.g. triton, reference)}}
+  eager_fp32_rel_err float | null (eager's first output against the model run in fp32 with TF32 off: the error the
+                   dtype alone gives this model; null for an fp32 model)
   profile {peer: list[{name str, time_us float (per iteration), calls int, share float}]}  (with --profile: every
           kernel, slowest first; the calls add up to the launches per iteration)
   notes list[str]
@@ -40,6 +42,7 @@ JSON schema ("schema": "resfuse-bench/1"); every time is the median unless its n
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import importlib.metadata
 import math
@@ -138,6 +141,9 @@ def benchmark(args: argparse.Namespace) -> dict:
 
     refs = timing.run_once(model, inputs)
     late_refs = timing.run_once(model, sets[-1])  # eager's output for the call checked after the timed ones
+    result["eager_fp32_rel_err"] = _eager_vs_fp32(model, inputs, refs)
+    if result["eager_fp32_rel_err"] is not None:
+        console.print(f"eager's own relative error against the model in fp32: {result['eager_fp32_rel_err']:.1e}")
     if why := vacuous(model, sets, refs):
         notes.append(f"{why}: the error columns are vacuous for this model")
         console.print(f"[yellow]note:[/yellow] {notes[-1]}")
@@ -254,11 +260,29 @@ def _speedups(result: dict) -> None:
 MODEL_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 8e-2, torch.float32: 1e-2}
 
 
+def _eager_vs_fp32(model, inputs, refs) -> float | None:
+    """Eager's own relative error against the same model run in fp32 with TF32 off: how far the dtype alone takes
+    this model (a random-init network can be ill-conditioned). None where the model already runs in fp32."""
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    if not params or params[0].dtype == torch.float32:
+        return None
+    wide = copy.deepcopy(model).float()
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        truth = timing.run_once(wide, tuple(x.float() if x.is_floating_point() else x for x in inputs))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    del wide
+    return timing.output_error(refs, truth)[0]
+
+
 def _bound_errors(result: dict, dtype: torch.dtype) -> list[str]:
     """Each resfuse peer's err_bound and within_bound set (see the schema); a line for each one over its bound."""
     compiled = [p["max_rel_err"] for name, p in result["peers"].items()
                 if not name.startswith("resfuse") and name != "eager" and p["status"] == "ok"]
-    bound = max([MODEL_TOLERANCE[dtype]] + [2 * e for e in compiled if e is not None and math.isfinite(e)])
+    noise = [*compiled, result.get("eager_fp32_rel_err")]  # a compiled peer's error; eager's own, off fp32
+    bound = max([MODEL_TOLERANCE[dtype]] + [2 * e for e in noise if e is not None and math.isfinite(e)])
     lines = []
     for name in result["resfuse_variants"]:
         peer = result["peers"][name]
@@ -267,8 +291,8 @@ def _bound_errors(result: dict, dtype: torch.dtype) -> list[str]:
         err = peer["max_rel_err"] if peer["max_rel_err"] is not None else math.inf
         peer["err_bound"], peer["within_bound"] = bound, err <= bound
         if not peer["within_bound"]:
-            lines.append(f"{name}'s relative error {err:.1e} is over its bound {bound:.1e} (the dtype's tolerance or "
-                         "twice a compiled peer's error): a wrong result, please report it")
+            lines.append(f"{name}'s relative error {err:.1e} is over its bound {bound:.1e} (the dtype's tolerance, or "
+                         "twice a compiled peer's error or eager's own off fp32): a wrong result, please report it")
     return lines
 
 

@@ -1,5 +1,6 @@
 """A tiny end-to-end `resfuse bench` on CPU: eager and resfuse, then the JSON schema and the PNG."""
 import argparse
+import copy
 import json
 import textwrap
 
@@ -69,6 +70,7 @@ def test_json_schema(bench):
     assert floor["ms"] > 0 and isinstance(floor["flops"], int) and isinstance(floor["bytes"], int)
     assert floor["layers"] >= 5 and floor["top_layers"][0]["kind"] in ("compute", "memory")
     assert any("speed needs a CUDA GPU" in note for note in result["notes"])
+    assert "eager_fp32_rel_err" in result and result["eager_fp32_rel_err"] is None  # an fp32 run: nothing wider
 
 
 def test_peers_eager_and_resfuse(bench):
@@ -149,3 +151,27 @@ def test_the_error_column_checks_a_call_after_the_timed_ones(tmp_path, monkeypat
     ours = result["peers"]["resfuse"]  # a resfuse peer over its bound is called wrong in the notes
     assert ours["within_bound"] is False and ours["err_bound"] == run.MODEL_TOLERANCE[torch.float32]
     assert any("resfuse's relative error" in note and "over its bound" in note for note in result["notes"])
+
+
+def test_eager_off_fp32_measures_the_dtype_and_widens_the_bound():
+    """A random-init ResNet-50 calibrated was off fp64 by 4.5e-2 in fp16 on its own: a peer as far off eager is not
+    wrong. The bound takes twice eager's own error against the model in fp32 (TF32 off)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3)).eval()
+    x = torch.randn(2, 3, 9, 9)
+    assert run._eager_vs_fp32(model, (x,), timing.run_once(model, (x,))) is None  # already fp32
+    low, xb = copy.deepcopy(model).to(torch.bfloat16), x.to(torch.bfloat16)
+    refs = timing.run_once(low, (xb,))
+    err = run._eager_vs_fp32(low, (xb,), refs)
+    truth = timing.run_once(copy.deepcopy(low).float(), (xb.float(),))
+    assert err == pytest.approx(timing.output_error(refs, truth)[0]) and 1e-4 < err < 5e-2
+    assert low[0].weight.dtype == torch.bfloat16  # the harness's model is left as it was
+
+    def result(ours, eager_own):
+        return {"resfuse_variants": ["resfuse"], "eager_fp32_rel_err": eager_own,
+                "peers": {"eager": {"status": "ok", "max_rel_err": 0.0},
+                          "resfuse": {"status": "ok", "max_rel_err": ours}}}
+    r = result(0.08, 0.05)
+    assert run._bound_errors(r, torch.float16) == [] and r["peers"]["resfuse"]["err_bound"] == pytest.approx(0.1)
+    r = result(0.08, None)
+    assert "over its bound" in run._bound_errors(r, torch.float16)[0] and not r["peers"]["resfuse"]["within_bound"]
