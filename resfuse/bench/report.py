@@ -48,6 +48,9 @@ def table(result: dict) -> Table:
     t.add_column("first call s", justify="right")
     t.add_column("rel err", justify="right")
     t.add_column("max abs", justify="right")
+    wide = result.get("eager_fp32_rel_err") is not None  # a low-precision run: each peer's error off fp32 too
+    if wide:
+        t.add_column("err vs fp32", justify="right")
     for name, peer in result["peers"].items():
         if peer["status"] != "ok":
             t.add_row(name, f"[red]{peer['status']}[/red]: {peer['error'][:60]}")
@@ -56,7 +59,7 @@ def table(result: dict) -> Table:
         t.add_row(name, _fmt(peer["latency_ms"], ".3f"), _fmt(peer["throughput_items_per_s"], ",.0f"),
                   _fmt(peer["latency_ms"] / floor_ms if floor_ms else None, ".2f"), *speedups,
                   _fmt(peer["compile_s"], ".1f"), _fmt(peer["max_rel_err"], ".1e"),
-                  _fmt(peer["max_abs_err"], ".1e"))
+                  _fmt(peer["max_abs_err"], ".1e"), *[_fmt(peer.get("fp32_rel_err"), ".1e")] * wide)
     return t
 
 

@@ -29,6 +29,8 @@ JSON schema ("schema": "resfuse-bench/1"); every time is the median unless its n
                 (||out - ref|| / ||ref|| vs eager, the worse of the first call and a call after the timed ones:
                 resfuse+graphs' first call runs before its CUDA graph is captured), max_abs_err: float | null,
                 first_rel_err, late_rel_err (the two calls' relative errors apart: which one went wrong),
+                fp32_rel_err (the first call's against the model run in fp32, TF32 off: null for an fp32 model;
+                beside eager_fp32_rel_err it says whether a peer is further from the exact answer than eager),
                 err_bound, within_bound (resfuse peers only: the dtype's tolerance, or twice the worst compiled
                 peer's error or eager_fp32_rel_err, whichever is largest, and whether max_rel_err stays within it),
                 speedup_of_resfuse {resfuse variant: this peer's latency / the variant's latency},
@@ -141,7 +143,8 @@ def benchmark(args: argparse.Namespace) -> dict:
 
     refs = timing.run_once(model, inputs)
     late_refs = timing.run_once(model, sets[-1])  # eager's output for the call checked after the timed ones
-    result["eager_fp32_rel_err"] = _eager_vs_fp32(model, inputs, refs)
+    wide = _fp32_outputs(model, inputs)
+    result["eager_fp32_rel_err"] = None if wide is None else timing.output_error(refs, wide)[0]
     if result["eager_fp32_rel_err"] is not None:
         console.print(f"eager's own relative error against the model in fp32: {result['eager_fp32_rel_err']:.1e}")
     if why := vacuous(model, sets, refs):
@@ -149,7 +152,7 @@ def benchmark(args: argparse.Namespace) -> dict:
         console.print(f"[yellow]note:[/yellow] {notes[-1]}")
     for name in peers:
         console.print(f"[bold]{name}[/bold] ...")
-        result["peers"][name] = _measure(name, model, sets, refs, late_refs, device, iters, args, result)
+        result["peers"][name] = _measure(name, model, sets, (refs, late_refs, wide), device, iters, args, result)
         _free(device)
     _speedups(result)
     for line in _bound_errors(result, DTYPES[dtype_name]):
@@ -205,12 +208,14 @@ def _build(name: str, model: torch.nn.Module):
     return resfuse.compile(model, cuda_graphs=name == "resfuse+graphs")
 
 
-def _measure(name, model, sets, refs, late_refs, device, iters, args, result) -> dict:
+def _measure(name, model, sets, references, device, iters, args, result) -> dict:
+    refs, late_refs, wide = references  # eager's outputs on the first and last input sets; fp32's on the first
     paths_before = _paths()
     try:
         fn = _build(name, model)
         compile_s, outs = timing.first_call(fn, sets[0], device)
         first, first_abs = timing.output_error(outs, refs)
+        off_fp32 = None if wide is None else timing.output_error(outs, wide)[0]
         lat = timing.latency(fn, sets, device, iters)
         # the timed calls replay what the first call only captured: check one of them too, on another input
         late, late_abs = timing.output_error(timing.run_once(fn, sets[-1]), late_refs)
@@ -226,6 +231,7 @@ def _measure(name, model, sets, refs, late_refs, device, iters, args, result) ->
         "latency_p90_ms": lat.p90_ms, "throughput_items_per_s": args.batch / (lat.median_ms / 1e3),
         "compile_s": compile_s, "x_floor": lat.median_ms / result["floor"]["ms"] if result["floor"]["ms"] else None,
         "max_rel_err": rel, "max_abs_err": absolute, "first_rel_err": first, "late_rel_err": late,
+        "fp32_rel_err": off_fp32,
         "speedup_of_resfuse": {},
     }
     if name.startswith("resfuse"):
@@ -260,9 +266,9 @@ def _speedups(result: dict) -> None:
 MODEL_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 8e-2, torch.float32: 1e-2}
 
 
-def _eager_vs_fp32(model, inputs, refs) -> float | None:
-    """Eager's own relative error against the same model run in fp32 with TF32 off: how far the dtype alone takes
-    this model (a random-init network can be ill-conditioned). None where the model already runs in fp32."""
+def _fp32_outputs(model, inputs) -> list[torch.Tensor] | None:
+    """The model's outputs run in fp32 with TF32 off, on a copy: what the dtype's rounding is measured against (a
+    random-init network can be ill-conditioned). None where the model already runs in fp32."""
     params = [p for p in model.parameters() if p.is_floating_point()]
     if not params or params[0].dtype == torch.float32:
         return None
@@ -270,11 +276,9 @@ def _eager_vs_fp32(model, inputs, refs) -> float | None:
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
-        truth = timing.run_once(wide, tuple(x.float() if x.is_floating_point() else x for x in inputs))
+        return timing.run_once(wide, tuple(x.float() if x.is_floating_point() else x for x in inputs))
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
-    del wide
-    return timing.output_error(refs, truth)[0]
 
 
 def _bound_errors(result: dict, dtype: torch.dtype) -> list[str]:

@@ -71,6 +71,7 @@ def test_json_schema(bench):
     assert floor["layers"] >= 5 and floor["top_layers"][0]["kind"] in ("compute", "memory")
     assert any("speed needs a CUDA GPU" in note for note in result["notes"])
     assert "eager_fp32_rel_err" in result and result["eager_fp32_rel_err"] is None  # an fp32 run: nothing wider
+    assert all(p["fp32_rel_err"] is None for p in result["peers"].values())
 
 
 def test_peers_eager_and_resfuse(bench):
@@ -155,16 +156,16 @@ def test_the_error_column_checks_a_call_after_the_timed_ones(tmp_path, monkeypat
 
 def test_eager_off_fp32_measures_the_dtype_and_widens_the_bound():
     """A random-init ResNet-50 calibrated was off fp64 by 4.5e-2 in fp16 on its own: a peer as far off eager is not
-    wrong. The bound takes twice eager's own error against the model in fp32 (TF32 off)."""
+    wrong. The harness runs a copy of the model in fp32 (TF32 off); twice eager's error against it joins the bound."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3)).eval()
     x = torch.randn(2, 3, 9, 9)
-    assert run._eager_vs_fp32(model, (x,), timing.run_once(model, (x,))) is None  # already fp32
+    assert run._fp32_outputs(model, (x,)) is None  # already fp32
     low, xb = copy.deepcopy(model).to(torch.bfloat16), x.to(torch.bfloat16)
-    refs = timing.run_once(low, (xb,))
-    err = run._eager_vs_fp32(low, (xb,), refs)
-    truth = timing.run_once(copy.deepcopy(low).float(), (xb.float(),))
-    assert err == pytest.approx(timing.output_error(refs, truth)[0]) and 1e-4 < err < 5e-2
+    wide = run._fp32_outputs(low, (xb,))
+    truth = timing.run_once(copy.deepcopy(low).double(), (xb.double(),))
+    assert wide[0].dtype == torch.float32 and timing.output_error(wide, truth)[0] < 1e-6
+    assert 1e-4 < timing.output_error(timing.run_once(low, (xb,)), wide)[0] < 5e-2
     assert low[0].weight.dtype == torch.bfloat16  # the harness's model is left as it was
 
     def result(ours, eager_own):
@@ -175,3 +176,15 @@ def test_eager_off_fp32_measures_the_dtype_and_widens_the_bound():
     assert run._bound_errors(r, torch.float16) == [] and r["peers"]["resfuse"]["err_bound"] == pytest.approx(0.1)
     r = result(0.08, None)
     assert "over its bound" in run._bound_errors(r, torch.float16)[0] and not r["peers"]["resfuse"]["within_bound"]
+
+
+def test_a_bf16_run_reports_each_peers_error_against_fp32(tmp_path):
+    (tmp_path / "tiny.py").write_text(MODEL)
+    args = parse([f"{tmp_path / 'tiny.py'}:make", "--batch", "2", "--image-size", "8", "--device", "cpu",
+                  "--dtype", "bf16", "--peers", "eager", "--iters", "2", "--json", str(tmp_path / "out.json")])
+    assert run.main(args) == 0
+    result = json.loads((tmp_path / "out.json").read_text())
+    eager, ours = result["peers"]["eager"], result["peers"]["resfuse"]
+    assert 0 < result["eager_fp32_rel_err"] < 5e-2 and eager["fp32_rel_err"] == result["eager_fp32_rel_err"]
+    assert 0 < ours["fp32_rel_err"] < 5e-2 and ours["err_bound"] >= 2 * result["eager_fp32_rel_err"]
+    assert "err vs fp32" in [c.header for c in report.table(result).columns]
