@@ -31,7 +31,7 @@ JSON schema ("schema": "resfuse-bench/1"); every time is the median unless its n
                 first_rel_err, late_rel_err (the two calls' relative errors apart: which one went wrong),
                 fp32_rel_err (the first call's against the model run in fp32, TF32 off: null for an fp32 model;
                 beside eager_fp32_rel_err it says whether a peer is further from the exact answer than eager),
-                err_bound, within_bound (resfuse peers only: the dtype's tolerance, or twice the worst compiled
+                err_bound, within_bound (resfuse peers only: the dtype's tolerance, or twice the closest compiled
                 peer's error or eager_fp32_rel_err, whichever is largest, and whether max_rel_err stays within it),
                 speedup_of_resfuse {resfuse variant: this peer's latency / the variant's latency},
                 paths {path: calls} (resfuse peers only: which implementation ran, e.g. triton, reference)}}
@@ -268,24 +268,28 @@ MODEL_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 8e-2, torch.float32: 1e-
 
 def _fp32_outputs(model, inputs) -> list[torch.Tensor] | None:
     """The model's outputs run in fp32 with TF32 off, on a copy: what the dtype's rounding is measured against (a
-    random-init network can be ill-conditioned). None where the model already runs in fp32."""
+    random-init network can be ill-conditioned). None where the model already runs in fp32, or where its fp32 copy
+    does not fit in memory beside it."""
     params = [p for p in model.parameters() if p.is_floating_point()]
     if not params or params[0].dtype == torch.float32:
         return None
-    wide = copy.deepcopy(model).float()
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
+        wide = copy.deepcopy(model).float()
         return timing.run_once(wide, tuple(x.float() if x.is_floating_point() else x for x in inputs))
+    except torch.OutOfMemoryError:
+        return None
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
 def _bound_errors(result: dict, dtype: torch.dtype) -> list[str]:
     """Each resfuse peer's err_bound and within_bound set (see the schema); a line for each one over its bound."""
-    compiled = [p["max_rel_err"] for name, p in result["peers"].items()
-                if not name.startswith("resfuse") and name != "eager" and p["status"] == "ok"]
-    noise = [*compiled, result.get("eager_fp32_rel_err")]  # a compiled peer's error; eager's own, off fp32
+    compiled = [p["max_rel_err"] for name, p in result["peers"].items() if not name.startswith("resfuse")
+                and name != "eager" and p["status"] == "ok" and p["max_rel_err"] is not None]
+    # the closest compiled peer's error (one broken peer must not widen it), and eager's own against fp32
+    noise = [min(compiled, default=None), result.get("eager_fp32_rel_err")]
     bound = max([MODEL_TOLERANCE[dtype]] + [2 * e for e in noise if e is not None and math.isfinite(e)])
     lines = []
     for name in result["resfuse_variants"]:
