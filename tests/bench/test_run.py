@@ -179,7 +179,8 @@ def test_eager_off_fp32_measures_the_dtype_and_widens_the_bound():
     r = result(0.05, None)  # a broken compiled peer does not widen the bound: the closest one counts
     r["peers"].update({"compile": {"status": "ok", "max_rel_err": 0.3},
                        "reduce-overhead": {"status": "ok", "max_rel_err": 1e-3}})
-    assert run._bound_errors(r, torch.float16) and r["peers"]["resfuse"]["err_bound"] == run.MODEL_TOLERANCE[torch.float16]
+    assert run._bound_errors(r, torch.float16)
+    assert r["peers"]["resfuse"]["err_bound"] == run.MODEL_TOLERANCE[torch.float16]
 
 
 def test_a_bf16_run_reports_each_peers_error_against_fp32(tmp_path):
