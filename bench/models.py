@@ -87,8 +87,8 @@ def one_job(name: str, batch: int, opts: argparse.Namespace, ceilings: str | Non
     output (a models.json, the ResNet-50 bs32 plot) goes to OUT/jobs/MODEL_bsBATCH; a lane's child runs on the
     lane's GPU and CPUs, its output appended to OUT/lane<i>.log."""
     if opts.in_process:
-        return run.benchmark(bench_args(name, batch, peers_for(batch, opts), opts.iters, ceilings, opts.device, opts.profile,
-                                        opts.dtype))
+        return run.benchmark(bench_args(name, batch, peers_for(batch, opts), opts.iters, ceilings, opts.device,
+                                        opts.profile, opts.dtype))
     out = Path(opts.out) / "jobs" / f"{name.replace('/', '_').replace(':', '_')}_bs{batch}"
     argv = [sys.executable, __file__, "--in-process", "--jobs", f"{name}:{batch}", "--peers", peers_for(batch, opts),
             "--iters", str(opts.iters), "--device", opts.device, "--dtype", opts.dtype, "--out", str(out),

@@ -88,8 +88,8 @@ def check_ops(bad: list) -> None:
                 err = timing.output_error([o], [r])[0]
                 if err > 1e-2:
                     bound.arguments["provider"] = "triton"
-                    bad.append(f"{_name} output {i}: relative error {err:.1e}; "
-                               f"{ {k: _describe(v) for k, v in bound.arguments.items()} }; choice {_choice(_name, bound)}")
+                    args = {k: _describe(v) for k, v in bound.arguments.items()}
+                    bad.append(f"{_name} output {i}: relative error {err:.1e}; {args}; choice {_choice(_name, bound)}")
                     print(bad[-1], flush=True)
             return out
         ops.IMPLS[target] = checked
