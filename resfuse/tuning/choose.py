@@ -137,7 +137,12 @@ def choose(call: Call) -> Choice:
     k = key(call)
     entry = None if _SETTINGS["force"] else _cache().get(k)
     replace = _SETTINGS["force"]
-    if entry is not None and (why := _off_thread(call.out.device, cached_is_wrong, call, entry, level)):
+    why = None
+    if entry is not None:
+        why = _off_thread(call.out.device, cached_is_wrong, call, entry, level)
+        if call.out.device.type == "cuda":
+            torch.cuda.empty_cache()  # the check's scratch and fp32 reference not left reserved, as tuning's are not
+    if why:
         print(f"resfuse: {call.op} {_shape(call)} {call.signature}: the cached choice {entry.provider} "
               f"{entry.config} is wrong here ({why[:200]}); measuring again")
         entry, replace = None, True
