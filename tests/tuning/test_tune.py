@@ -1,11 +1,14 @@
 """The tuner end to end under Triton's interpreter on tiny shapes: real candidates, injected timings."""
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
 
-from resfuse import kernels
+from resfuse import kernels, providers
 from resfuse.ops.fused import Output
-from resfuse.tuning import choose as ch
+from resfuse.tuning import choose as ch, select
 
 SIG = "relu(add(bn[#1e-05](acc,c0,c1,c2,c3),full4))"
 
@@ -302,3 +305,37 @@ def test_a_cached_choice_that_is_wrong_here_is_measured_again(tmp_path, monkeypa
     assert ch.choose(call).provider == "aten"
     assert "is wrong here" in capsys.readouterr().out
     assert ch._cache().get(ch.key(call)).provider == "aten"  # the wrong entry replaced
+
+
+EPILOGUES = {  # signature -> its operands' shapes, from the output's channels k and shape
+    "acc": lambda k, shape: [],
+    "relu(add(acc,c0))": lambda k, shape: [torch.randn(k)],
+    "silu(add(acc,c0))": lambda k, shape: [torch.randn(k)],
+    "gelu(add(acc,c0))": lambda k, shape: [torch.randn(k)],
+    "sigmoid(add(acc,c0))": lambda k, shape: [torch.randn(k)],
+    "add(acc,full0)": lambda k, shape: [torch.randn(*shape)],
+    SIG: lambda k, shape: [torch.randn(k), torch.rand(k) + 0.5, torch.randn(k), torch.randn(k), torch.randn(*shape)],
+}
+
+
+@settings(max_examples=int(os.environ.get("RESFUSE_EXAMPLES", 12)), deadline=None)
+@given(n=st.integers(1, 3), c=st.integers(1, 13), hw=st.tuples(st.integers(1, 9), st.integers(1, 9)),
+       k=st.integers(1, 11), r=st.sampled_from([1, 3]), stride=st.sampled_from([1, 2]),
+       sig=st.sampled_from(sorted(EPILOGUES)))
+def test_every_candidate_writes_its_whole_output(n, c, hw, k, r, stride, sig):
+    """Each provider's candidates at the fast level, on odd shapes (1x1 images included), pass the tuner's check:
+    a run over their own poisoned outputs matches the fp32 reference. One that leaves an element unwritten, as
+    cuDNN's engine configs did for a 1x1 image, would be discarded, and a kernel of ours that did would fail here."""
+    kernels.set_options(interpret=True)
+    pad = r // 2
+    out_shape = [n, k, (hw[0] + 2 * pad - r) // stride + 1, (hw[1] + 2 * pad - r) // stride + 1]
+    x = torch.randn(n, c, *hw).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(k, c, r, r).contiguous(memory_format=torch.channels_last)
+    call = ch.Call("conv2d", (x, w), EPILOGUES[sig](k, out_shape), sig, ([stride] * 2, [pad] * 2, [1, 1]),
+                   Output.of(out_shape, torch.float32, x.device, torch.channels_last))
+    reference = ch._reference(call)
+    found = providers.candidates(call, "fast")
+    assert {cand.provider for cand in found} >= {"triton", "aten", "epilogue"}
+    wrong = {v.name: why for cand in found for v in (cand, *cand.variants)
+             if (why := select.check(v, reference, 1e-4))}
+    assert not wrong
