@@ -183,8 +183,8 @@ def cached_is_wrong(call: Call, entry: Entry, level: str) -> str | None:
     build them here, runs unchecked."""
     same = json.dumps(entry.config, sort_keys=True)  # as the cache stores it
     try:
-        found = [c for c in providers.candidates(call, level, allowed=(entry.provider,))
-                 if json.dumps(c.config, sort_keys=True) == same]
+        found = [v for c in providers.candidates(call, level, allowed=(entry.provider,)) for v in (c, *c.variants)
+                 if json.dumps(v.config, sort_keys=True) == same]  # a variant (bulk stores) may be the choice
     except Exception:  # noqa: BLE001  no candidates to check against: the choice runs as before the check
         return None
     if not found:

@@ -339,3 +339,16 @@ def test_every_candidate_writes_its_whole_output(n, c, hw, k, r, stride, sig):
     wrong = {v.name: why for cand in found for v in (cand, *cand.variants)
              if (why := select.check(v, reference, 1e-4))}
     assert not wrong
+
+
+def test_the_cached_check_finds_a_variant_choice(monkeypatch):
+    """A shortlisted config's variant (its output by bulk stores) can be the cached choice: it is checked too."""
+    call = conv_call()
+    reference = ch._reference(call)
+    scratch = torch.empty_like(reference)
+    idle = select.Candidate("triton", "v", {"tma_store": True}, lambda: scratch)  # writes nothing
+    base = select.Candidate("triton", "c", {"tma_store": False}, lambda: scratch.copy_(reference), variants=(idle,))
+    monkeypatch.setattr(providers, "candidates", lambda call, level, allowed: [base])
+    assert ch.cached_is_wrong(call, ch.Entry("triton", {"tma_store": False}, {}), "fast") is None
+    assert "non-finite" in ch.cached_is_wrong(call, ch.Entry("triton", {"tma_store": True}, {}), "fast")
+    assert ch.cached_is_wrong(call, ch.Entry("triton", {"tma_store": None}, {}), "fast") is None  # not offered
