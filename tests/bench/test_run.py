@@ -3,6 +3,7 @@ import argparse
 import copy
 import json
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -167,6 +168,8 @@ def test_eager_off_fp32_measures_the_dtype_and_widens_the_bound():
     assert wide[0].dtype == torch.float32 and timing.output_error(wide, truth)[0] < 1e-6
     assert 1e-4 < timing.output_error(timing.run_once(low, (xb,)), wide)[0] < 5e-2
     assert low[0].weight.dtype == torch.bfloat16  # the harness's model is left as it was
+    low.lock = threading.Lock()  # a model that cannot be deep-copied gets no fp32 errors, and no crash
+    assert run._fp32_outputs(low, (xb,)) is None
 
     def result(ours, eager_own):
         return {"resfuse_variants": ["resfuse"], "eager_fp32_rel_err": eager_own,
