@@ -429,3 +429,8 @@ def test_a_graph_that_does_not_reproduce_its_warm_up_is_dropped(monkeypatch):
     assert mismatch([torch.tensor([1.0, float("nan")])], [torch.tensor([1.0, float("nan")])]) is None
     assert "NaN" in mismatch([torch.tensor([1.0, float("nan")])], [torch.tensor([1.0, 2.0])])
     assert mismatch([torch.tensor([1, 2])], [torch.tensor([1, 3])]) == "output 0 differs"
+    inf = float("inf")  # an infinity where the warm-up has the same agrees (it read as a NaN error, a false alarm)
+    assert mismatch([torch.tensor([1.0, inf, -inf])], [torch.tensor([1.0, inf, -inf])]) is None
+    assert "infinity" in mismatch([torch.tensor([1.0, inf])], [torch.tensor([1.0, -inf])])
+    assert "infinity" in mismatch([torch.tensor([1.0, inf])], [torch.tensor([1.0, 3.0])])
+    assert "relative error" in mismatch([torch.tensor([1.0, inf])], [torch.tensor([2.0, inf])])

@@ -100,8 +100,8 @@ def versions(tensors) -> list | None:
 
 def mismatch(outputs, expected, tol: float = 1e-3) -> str | None:
     """How the graph's outputs differ from the warm-up's on the same inputs, or None where they agree: the same
-    kernels on the same inputs, so only a nondeterministic kernel's last bits may differ (tol, a relative norm;
-    NaN where the warm-up has NaN counts as agreeing)."""
+    kernels on the same inputs, so only a nondeterministic kernel's last bits may differ (tol, a relative norm over
+    the finite values; NaN or an infinity where the warm-up has the same counts as agreeing)."""
     for i, (out, ref) in enumerate(zip(outputs, expected)):
         if not isinstance(out, torch.Tensor):
             continue
@@ -112,7 +112,9 @@ def mismatch(outputs, expected, tol: float = 1e-3) -> str | None:
         a, b = out.float(), ref.float()
         if not torch.equal(a.isnan(), b.isnan()):
             return f"output {i} has NaN where the un-graphed run has none, or the reverse"
-        ok = ~b.isnan()
+        ok = b.isfinite()
+        if not torch.equal(a.isinf(), b.isinf()) or not torch.equal(a[b.isinf()], b[b.isinf()]):
+            return f"output {i} has an infinity where the un-graphed run has another value, or the reverse"
         err = ((a - b)[ok].norm() / b[ok].norm().clamp_min(1e-30)).item()
         if not err <= tol:
             return f"output {i} differs by a relative error of {err:.1e}"
