@@ -1,15 +1,18 @@
 """What checking the cached choices costs a warm start (GPU machine).
 
 Entry point: `python bench/cached_check.py [--model resnet50] [--batch 32]`. The thirty-ninth session made the tuner
-check each cached choice, as it checks a candidate, before its first use in a process (tuning/choose.py:
-cached_is_wrong). This script tunes the model in a first process (cold, unless the cache already holds it), then
-in a fresh process compiles it again from the warm cache and times the first call: its wall time, and the part
-spent in the checks, with their count and how many found a choice wrong.
+check each cached choice, as it checks a candidate, before its first use (tuning/choose.py: cached_is_wrong); since
+the fortieth, once a machine (GPU and driver), not once a process. This script tunes the model in a first process
+(cold, unless the cache already holds it), then in fresh processes compiles it again from the warm cache and times
+the first call: its wall time, and the part spent in the checks, with their count and how many found a choice
+wrong. Before the third process it forgets the checks (as a cache carried to another machine has none), so that
+process checks every choice, and the fourth none.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sqlite3
 import subprocess
 import sys
 import time
@@ -21,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import resfuse  # noqa: E402
 from resfuse.bench import models  # noqa: E402
+from resfuse.config import Config  # noqa: E402
 from resfuse.tuning import choose  # noqa: E402
 
 
@@ -55,7 +59,11 @@ def main() -> int:
         print(json.dumps(first_call(args.model, args.batch)))
         return 0
     argv = [sys.executable, __file__, "--child", "--model", args.model, "--batch", str(args.batch)]
-    for label in ("first process (tunes what the cache lacks)", "warm process", "warm process again"):
+    for label in ("first process (tunes what the cache lacks)", "warm process", "warm process, checks forgotten",
+                  "warm process again"):
+        if "forgotten" in label:
+            with sqlite3.connect(Path(Config.from_env().cache_dir) / "tuning.sqlite") as db:
+                db.execute("DELETE FROM checks")
         out = subprocess.run(argv, capture_output=True, text=True)
         lines = out.stdout.strip().splitlines()
         print(f"{args.model} bs{args.batch} {label}: {lines[-1] if lines else out.stderr[-2000:]}", flush=True)

@@ -14,8 +14,9 @@ Each job runs in a Python process of its own (--in-process: all in this one). Jo
 inherited the earlier ones' compiled graphs, caches and garbage: MobileNetV3 bs1 under resfuse+graphs measured
 1.033 ms as the third job of a process and 0.285 ms alone (twenty-third session, H100), its peers unmoved.
 
---lanes N runs N job processes at once on a machine of N GPUs: lane i has GPU i and the i-th N-th of the CPUs
-(its compile workers too), so no lane's host-bound peer shares cores with another lane's compiles. Each lane
+--lanes N runs N job processes at once on a machine of N GPUs: lane i has GPU i (the i-th of CUDA_VISIBLE_DEVICES
+where that is set, so a sweep can share a machine with other work) and the i-th N-th of the CPUs this process may
+use (its compile workers too), so no lane's host-bound peer shares cores with another lane's compiles. Each lane
 measures its own GPU's ceilings with its first job. Each job's output goes to OUT/lane<i>.log.
 
 --batch-peers "1=eager,reduce-overhead;256=eager,compile" gives some batch sizes their own peers (the zoo tables
@@ -100,7 +101,9 @@ def one_job(name: str, batch: int, opts: argparse.Namespace, ceilings: str | Non
         cpus = sorted(os.sched_getaffinity(0))
         share = len(cpus) // opts.lanes
         mine = cpus[lane * share:(lane + 1) * share]
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(lane), TORCHINDUCTOR_COMPILE_THREADS=str(share),
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        gpu = visible.split(",")[lane] if visible else str(lane)
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, TORCHINDUCTOR_COMPILE_THREADS=str(share),
                    RESFUSE_COMPILE_WORKERS=str(max(1, share // 2)))
         with open(Path(opts.out) / f"lane{lane}.log", "a") as log:
             log.write(f"\n=== {name} bs{batch} ===\n")

@@ -1,7 +1,8 @@
 """The persistent tuning cache: one SQLite file of measured winners, keyed by everything that can stale them.
 
-Entry points: `TuningCache(path)` with `get(key)`, `put(key, entry, replace=False)`, `entries()`, `clear()`,
-`export(file)`, `import_(file)`; `Key` (the fields) and `environment(device)` (the versions and GPU part).
+Entry points: `TuningCache(path)` with `get(key)`, `put(key, entry, replace=False)`, `checked(key, machine)`,
+`mark_checked(key, machine)`, `entries()`, `clear()`, `export(file)`, `import_(file)`; `Key` (the fields),
+`environment(device)` (the versions and GPU part) and `machine(device)` (the GPU and driver a check ran on).
 Used by tuning/profile.py and by `resfuse cache list | clear | export | import`.
 
 Lessons kept (shared/design.md): TVM keyed on the shape alone and served stale hits, so the key holds the op,
@@ -29,6 +30,15 @@ CREATE TABLE IF NOT EXISTS entries (
     config TEXT NOT NULL,
     times TEXT NOT NULL,
     created REAL NOT NULL
+)"""
+# The machines (machine(device)) on which an entry's choice passed the check before its first use (choose.py:
+# cached_is_wrong), so a warm start on the same machine does not check it again. Not exported: a cache carried
+# to another machine is checked there.
+_CHECKS = """
+CREATE TABLE IF NOT EXISTS checks (
+    digest TEXT NOT NULL,
+    machine TEXT NOT NULL,
+    PRIMARY KEY (digest, machine)
 )"""
 
 
@@ -80,6 +90,18 @@ def environment(device, template_version: str) -> tuple[str, int, tuple]:
     return gpu, sms, versions
 
 
+def machine(device) -> str:
+    """This GPU and its driver, which a Key leaves out: a choice checked here need not be checked again here, but
+    a cache carried to another card or driver is checked there."""
+    import torch
+
+    if getattr(device, "type", device) != "cuda":
+        return "cpu"
+    props = torch.cuda.get_device_properties(device)
+    driver = getattr(torch._C, "_cuda_getDriverVersion", lambda: "unknown")()  # no public API gives it
+    return f"{getattr(props, 'uuid', props.name)} driver {driver}"
+
+
 class TuningCache:
     def __init__(self, path: str | Path, timeout_s: float = 60.0):
         self.path = Path(path)
@@ -99,6 +121,7 @@ class TuningCache:
                     raise sqlite3.DatabaseError(f"schema version {version}, tables {sorted(tables)}")
                 db.execute("PRAGMA journal_mode=WAL")
                 db.execute(_SCHEMA)
+                db.execute(_CHECKS)  # added within schema 1: a file made before it gains the table
                 db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
                 db.execute("SELECT COUNT(*) FROM entries").fetchone()
         except sqlite3.DatabaseError as e:
@@ -119,10 +142,23 @@ class TuningCache:
         """Store a winner; an existing entry is kept unless `replace` (force-retune). True if written."""
         verb = "INSERT OR REPLACE" if replace else "INSERT OR IGNORE"
         with self._connect() as db:
+            db.execute("BEGIN IMMEDIATE")
             cur = db.execute(f"{verb} INTO entries VALUES (?, ?, ?, ?, ?, ?)",
                              (key.digest(), json.dumps(dataclasses.asdict(key), sort_keys=True), entry.provider,
                               json.dumps(entry.config, sort_keys=True), json.dumps(entry.times), time.time()))
+            if cur.rowcount > 0:  # a replaced choice's checks were of the old one
+                db.execute("DELETE FROM checks WHERE digest=?", (key.digest(),))
+            db.execute("COMMIT")
             return cur.rowcount > 0
+
+    def checked(self, key: Key, machine: str) -> bool:
+        with self._connect() as db:
+            return db.execute("SELECT 1 FROM checks WHERE digest=? AND machine=?",
+                              (key.digest(), machine)).fetchone() is not None
+
+    def mark_checked(self, key: Key, machine: str) -> None:
+        with self._connect() as db:
+            db.execute("INSERT OR IGNORE INTO checks VALUES (?, ?)", (key.digest(), machine))
 
     def entries(self) -> list[tuple[dict, Entry]]:
         with self._connect() as db:
@@ -131,6 +167,7 @@ class TuningCache:
 
     def clear(self) -> int:
         with self._connect() as db:
+            db.execute("DELETE FROM checks")
             return db.execute("DELETE FROM entries").rowcount
 
     def export(self, file: str | Path) -> int:

@@ -30,7 +30,7 @@ from .. import epilogue as epi, providers
 from ..kernels import codegen
 from ..ops.fused import Output
 from . import precompile, select, space
-from .cache import Entry, Key, TuningCache, environment
+from .cache import Entry, Key, TuningCache, environment, machine
 from .progress import PROGRESS
 
 TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float32: 2e-3}  # fp32 runs as tf32
@@ -138,8 +138,10 @@ def choose(call: Call) -> Choice:
     entry = None if _SETTINGS["force"] else _cache().get(k)
     replace = _SETTINGS["force"]
     why = None
-    if entry is not None:
-        why = _off_thread(call.out.device, cached_is_wrong, call, entry, level)
+    here = machine(call.out.device)
+    if entry is not None and not _cache().checked(k, here):
+        why = _off_thread(call.out.device, cached_is_wrong, call, entry, level,
+                          passed=lambda: _cache().mark_checked(k, here))
         if call.out.device.type == "cuda":
             torch.cuda.empty_cache()  # the check's scratch and fp32 reference not left reserved, as tuning's are not
     if why:
@@ -166,6 +168,7 @@ def choose(call: Call) -> Choice:
             _CHOICES[fast] = UNFUSED
             return UNFUSED
         _cache().put(k, entry, replace=replace)
+        _cache().mark_checked(k, here)  # the tuner checked its winner as cached_is_wrong would
     else:
         PROGRESS.op_done()  # a cache hit: no line
     # triton: its kernel config; cudnn: its engine config's name, and "fold_bn" where the batch norm is folded
@@ -175,12 +178,12 @@ def choose(call: Call) -> Choice:
     return choice
 
 
-def cached_is_wrong(call: Call, entry: Entry, level: str) -> str | None:
-    """Why the cached choice gives a wrong answer on `call`, or None: checked as the tuner checks a candidate, once a
-    process before its first use. A cache can hold a choice that an earlier check let through (before
-    CHECK_VERSION 2, a cuDNN engine config that wrote nothing), or one made by another driver or GPU of the same
-    name. A choice that is not among this level's candidates (cached by tuning "max"), or whose provider cannot
-    build them here, runs unchecked."""
+def cached_is_wrong(call: Call, entry: Entry, level: str, passed=lambda: None) -> str | None:
+    """Why the cached choice gives a wrong answer on `call`, or None: checked as the tuner checks a candidate, before
+    its first use on a machine (cache.machine: this GPU and driver; `passed()` runs where it passes). A
+    cache can hold a choice that an earlier check let through (before CHECK_VERSION 2, a cuDNN engine config that
+    wrote nothing), or one made by another driver or GPU of the same name. A choice that is not among this level's
+    candidates (cached by tuning "max"), or whose provider cannot build them here, runs unchecked."""
     same = json.dumps(entry.config, sort_keys=True)  # as the cache stores it
     try:
         found = [v for c in providers.candidates(call, level, allowed=(entry.provider,)) for v in (c, *c.variants)
@@ -189,7 +192,10 @@ def cached_is_wrong(call: Call, entry: Entry, level: str) -> str | None:
         return None
     if not found:
         return None
-    return select.check(found[0], _reference(call), TOLERANCE[call.inputs[0].dtype])
+    why = select.check(found[0], _reference(call), TOLERANCE[call.inputs[0].dtype])
+    if why is None:
+        passed()
+    return why
 
 
 _OUT_OF_RESOURCES: set = set()  # fast keys of calls whose config of our kernel did not load here

@@ -302,9 +302,37 @@ def test_a_cached_choice_that_is_wrong_here_is_measured_again(tmp_path, monkeypa
     ch._CHOICES.clear()
     monkeypatch.setattr(prov, "_launch", lambda call, sig, ops, out, cfg, *aux: out)  # our kernel now writes nothing
     monkeypatch.setattr(ch, "_bench", bench_favouring("aten"))
+    assert ch.choose(call).provider == "triton"  # checked on this machine already: not checked again
+    ch._CHOICES.clear()
+    monkeypatch.setattr(ch, "machine", lambda device: "another GPU or driver")  # where the cache was carried to
     assert ch.choose(call).provider == "aten"
     assert "is wrong here" in capsys.readouterr().out
     assert ch._cache().get(ch.key(call)).provider == "aten"  # the wrong entry replaced
+    assert ch._cache().checked(ch.key(call), "another GPU or driver")  # and its measured winner marked checked
+
+
+def test_a_cached_choice_is_checked_once_a_machine(tmp_path, monkeypatch):
+    """The check of a cached choice costs a warm start 2.8 s at ResNet-50 bs32 (fortieth session, H100): it runs
+    once for each machine a choice is used on, and a choice the tuner measured here counts as checked."""
+    monkeypatch.setattr(ch, "_tunable", lambda device: True)
+    monkeypatch.setattr(ch, "_CHOICES", {})
+    monkeypatch.setattr(ch, "_bench", bench_favouring("triton"))
+    ch.configure("fast", str(tmp_path), budget_s=600)
+    call = conv_call()
+    ch.choose(call)
+    checks = []
+    real = select.check
+    monkeypatch.setattr(select, "check", lambda *a, **k: checks.append(1) or real(*a, **k))
+    monkeypatch.setattr(ch, "_bench", lambda fn: pytest.fail("a right cached choice was measured again"))
+    for _ in range(2):  # two processes on the tuner's machine
+        ch._CHOICES.clear()
+        assert ch.choose(call).provider == "triton"
+    assert checks == []
+    monkeypatch.setattr(ch, "machine", lambda device: "another machine")
+    for _ in range(2):  # two processes on another
+        ch._CHOICES.clear()
+        assert ch.choose(call).provider == "triton"
+    assert checks == [1]
 
 
 EPILOGUES = {  # signature -> its operands' shapes, from the output's channels k and shape
