@@ -98,7 +98,10 @@ def machine(device) -> str:
     if getattr(device, "type", device) != "cuda":
         return "cpu"
     props = torch.cuda.get_device_properties(device)
-    driver = getattr(torch._C, "_cuda_getDriverVersion", lambda: "unknown")()  # no public API gives it
+    try:  # torch has no public API for the driver's version; Linux's NVIDIA driver names itself here
+        driver = Path("/proc/driver/nvidia/version").read_text().splitlines()[0].strip()
+    except (OSError, IndexError):
+        driver = "unknown"
     return f"{getattr(props, 'uuid', props.name)} driver {driver}"
 
 

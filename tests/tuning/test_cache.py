@@ -5,8 +5,9 @@ import sqlite3
 import warnings
 
 import pytest
+import torch
 
-from resfuse.tuning.cache import Entry, Key, TuningCache
+from resfuse.tuning.cache import Entry, Key, TuningCache, machine
 
 KEY = Key("conv2d", (32, 64, 56, 56, 256, 1, 1, (1, 1), (0, 0), (1, 1)), ("float16", "float16"),
           ((200704, 1, 3584, 64), (64, 1, 64, 64)), "relu(add(bn[#1e-05](acc,c0,c1,c2,c3),full4))",
@@ -119,3 +120,14 @@ def test_export_import_round_trip(cache, tmp_path):
         assert other.import_(tmp_path / "out.json") == 2
     assert other.get(KEY) == ENTRY
     assert cache.clear() == 2 and cache.entries() == []
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
+def test_a_gpus_machine_names_its_card_and_driver():
+    """The check of a cached choice is kept per machine(device): a CUDA device gets its card's UUID and the
+    driver's version, so a cache carried to another card or driver is checked there."""
+    here = machine(torch.device("cuda"))
+    props = torch.cuda.get_device_properties(0)
+    assert here == machine(torch.device("cuda", 0)) != machine(torch.device("cpu")) == "cpu"
+    assert str(props.uuid) in here and "driver unknown" not in here
