@@ -2,7 +2,9 @@
 
 Entry point: `python bench/tables.py bench/results/models_zoo_*_h100.json`. Rows are grouped by batch size and
 keep the order of the files and jobs given; a (model, batch) seen twice keeps its last measurement. Each ratio
-compares peers of the same job (one process), never across jobs.
+compares peers of the same job (one process), never across jobs. Where the JSON has errors against fp32 (the
+thirty-ninth session's harness), a second table gives each peer's, and resfuse+graphs' over eager's: eager's is
+what fp16/bf16 alone costs the model, so a ratio over 1 is rounding of resfuse's own.
 """
 from __future__ import annotations
 
@@ -39,6 +41,15 @@ def row(r: dict) -> str:
             + f" | {vs} | {err} | {'-' if first is None else f'{first:.0f}'} |")
 
 
+def fp32_row(r: dict) -> str:
+    def err(peer):
+        e = r["peers"].get(peer, {}).get("fp32_rel_err")
+        return "-" if e is None else f"{e:.1e}"
+    ours, eager = r["peers"].get("resfuse+graphs", {}).get("fp32_rel_err"), r["eager_fp32_rel_err"]
+    ratio = f"{ours / eager:.2f}" if ours is not None and eager else "-"
+    return f"| {r['model']} | {r['batch']} | " + " | ".join(err(p) for p in PEERS) + f" | {ratio} |"
+
+
 def main(paths: list[str]) -> int:
     results: dict[tuple, dict] = {}
     for path in paths:
@@ -54,6 +65,13 @@ def main(paths: list[str]) -> int:
         for (model, b), r in results.items():
             if b == batch:
                 print(row(r))
+    against = [r for r in results.values() if r.get("eager_fp32_rel_err") is not None]
+    if against:
+        print("\nErrors against fp32 (TF32 off):\n")
+        print("| model | bs | " + " | ".join(PEERS) + " | resfuse+graphs over eager |")
+        print("| --- " * (len(PEERS) + 3) + "|")
+        for r in sorted(against, key=lambda r: r["batch"]):
+            print(fp32_row(r))
     return 0
 
 

@@ -167,8 +167,8 @@ def choose(call: Call) -> Choice:
             # nothing matched the fp32 reference: run what eager runs, and don't measure this op again
             _CHOICES[fast] = UNFUSED
             return UNFUSED
-        _cache().put(k, entry, replace=replace)
-        _cache().mark_checked(k, here)  # the tuner checked its winner as cached_is_wrong would
+        if _cache().put(k, entry, replace=replace):  # not where another process stored its own winner first
+            _cache().mark_checked(k, here)  # the tuner checked its winner as cached_is_wrong would
     else:
         PROGRESS.op_done()  # a cache hit: no line
     # triton: its kernel config; cudnn: its engine config's name, and "fold_bn" where the batch norm is folded
