@@ -3,7 +3,8 @@
 Entry point: `python bench/ab.py [--jobs mobilenet_v3_large:32,...] [--peers "reduce-overhead,rf+graphs
 remainder=eager,rf+graphs"] [--out DIR]`. A peer is a torch.compile mode (eager, compile, reduce-overhead) or
 `rf` / `rf+graphs` (resfuse.compile, with cuda_graphs=True for the latter) followed by space-separated
-`option=value` Config overrides. Per (model, batch), in one process, in the order given: the first resfuse
+`option=value` Config overrides; `guards=NAME` gives any peer but eager a torch.compiler guard filter
+(reduce-overhead guards=skip_guard_on_all_nn_modules_unsafe). Per (model, batch), in one process, in the order given: the first resfuse
 variant tunes (fresh cache or not) and the later ones read its tuning choices, so variants differ in their
 switches only. fp16, channels_last, CUDA-event medians over rotated inputs (resfuse.bench.timing), errors
 against eager. A peer may be named more than once (off,on,off,on): each run is its own row. A table prints last,
@@ -36,21 +37,32 @@ PEERS = {
 }
 
 
+MODE_OPTIONS = {"compile": {}, "reduce-overhead": {"triton.cudagraphs": True}}  # torch.compile's modes as options
+
+
 def variant(peer: str):
-    """The callable-maker for a peer spec: a torch.compile mode, or `rf[+graphs] option=value ...`."""
-    if peer in PEERS:
-        return PEERS[peer]
+    """The callable-maker for a peer spec: a torch.compile mode, or `rf[+graphs] option=value ...`. Any peer but
+    eager also takes `guards=NAME`, a torch.compiler guard filter (skip_guard_on_all_nn_modules_unsafe...) passed
+    as torch.compile's guard_filter_fn, so the host's guard time a call is compared at the same guards."""
     head, *overrides = peer.split()
-    if head not in ("rf", "rf+graphs"):
-        raise ValueError(f"peer {peer!r}: one of {', '.join(PEERS)}, or rf / rf+graphs with option=value overrides")
-    options = {"cuda_graphs": head == "rf+graphs"}
+    options = {}
     for item in overrides:
         key, _, value = item.partition("=")
         try:
             options[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             options[key] = value  # a plain word: remainder=eager
-    return lambda m: resfuse.compile(m, **options)
+    guards = options.pop("guards", None)
+    guard_filter = getattr(torch.compiler, guards) if guards else None
+    if head in MODE_OPTIONS and guard_filter is not None and not options:
+        return lambda m: torch.compile(m, options={**MODE_OPTIONS[head], "guard_filter_fn": guard_filter})
+    if head in PEERS and not overrides:
+        return PEERS[head]
+    if head not in ("rf", "rf+graphs"):
+        raise ValueError(f"peer {peer!r}: one of {', '.join(PEERS)} (all but eager may take guards=NAME), or "
+                         "rf / rf+graphs with option=value overrides")
+    options = {"cuda_graphs": head == "rf+graphs", **options}
+    return lambda m: resfuse.compile(m, guard_filter_fn=guard_filter, **options)
 
 
 def run_job(name: str, batch: int, peers: list[str], iters: int, autocast: bool = False) -> dict:

@@ -48,6 +48,26 @@ def test_backend_by_name_matches_eager(block):
     assert {f.ran for f in report.fusions} == {"reference"} and {f.provider for f in report.fusions} == {"aten"}
 
 
+@pytest.mark.parametrize("guards", ["all", "tensors only"])
+def test_a_guard_filter_reaches_dynamo(block, guards):
+    """resfuse.compile passes torch.compile's guard_filter_fn on: without the modules' guards, switching the model
+    to training mode is not seen (the unsafe trade a user opts into for less host time a call); with them, it
+    captures again."""
+    from torch._dynamo.utils import counters
+
+    x = torch.randn(2, 8, 9, 7)
+    torch._dynamo.reset()
+    unsafe = guards == "tensors only"
+    compiled = resfuse.compile(block, guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe
+                               if unsafe else None)
+    with torch.no_grad():
+        assert rel(compiled(x), block(x)) < 1e-5
+        graphs = counters["stats"]["unique_graphs"]
+        block.train()
+        compiled(x)
+    assert counters["stats"]["unique_graphs"] - graphs == (0 if unsafe else 1)
+
+
 @pytest.mark.parametrize("epilogue", [True, False])
 @pytest.mark.parametrize("add_to_output", [True, False])
 def test_switches_change_the_graph_not_the_result(block, epilogue, add_to_output):
