@@ -1,16 +1,16 @@
 """A/B of resfuse's Config switches on the GPU machine, beside torch.compile's modes, one process per job.
 
 Entry point: `python bench/ab.py [--jobs mobilenet_v3_large:32,...] [--peers "reduce-overhead,rf+graphs
-remainder=eager,rf+graphs"] [--out DIR]`. A peer is a torch.compile mode (eager, compile, reduce-overhead) or
-`rf` / `rf+graphs` (resfuse.compile, with cuda_graphs=True for the latter) followed by space-separated
-`option=value` Config overrides; `guards=NAME` gives any peer but eager a torch.compiler guard filter
-(reduce-overhead guards=skip_guard_on_all_nn_modules_unsafe). Per (model, batch), in one process, in the order given: the first resfuse
-variant tunes (fresh cache or not) and the later ones read its tuning choices, so variants differ in their
-switches only. fp16, channels_last, CUDA-event medians over rotated inputs (resfuse.bench.timing), errors
-against eager. A peer may be named more than once (off,on,off,on): each run is its own row. A table prints last,
-its columns numbered in the order of --peers; the JSON goes to --out (ab.json), each job's peers a list in that
-order. With --autocast the model keeps fp32 weights and each peer runs it under torch.autocast (fp16), as mixed-
-precision inference does: the errors are then against eager under autocast.
+remainder=eager,rf+graphs"] [--out DIR]`. A peer is a torch.compile mode (eager, compile, reduce-overhead) or `rf` /
+`rf+graphs` (resfuse.compile, with cuda_graphs=True for the latter) followed by space-separated `option=value`
+Config overrides; `guards=NAME` gives any peer but eager a torch.compiler guard filter (reduce-overhead
+guards=skip_guard_on_all_nn_modules_unsafe). Per (model, batch), in one process, in the order given: the first
+resfuse variant tunes (fresh cache or not) and the later ones read its tuning choices, so variants differ in their
+switches only. fp16, channels_last, CUDA-event medians over rotated inputs (resfuse.bench.timing), errors against
+eager. A peer may be named more than once (off,on,off,on): each run is its own row. A table prints last, its columns
+numbered in the order of --peers; the JSON goes to --out (ab.json), each job's peers a list in that order. With
+--autocast the model keeps fp32 weights and each peer runs it under torch.autocast (fp16), as mixed-precision
+inference does: the errors are then against eager under autocast.
 """
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """The host time Dynamo's guards take a call, with each of torch.compiler's guard filters (CPU or GPU machine).
 
-Entry point: `python bench/guard_time.py [--model hf-resnet50] [--batch 1] [--device cpu] [--by-type]`. At batch 1 a CUDA-graphed
-call is bound by the host (BENCHMARKS.md), and every call of a compiled model first checks Dynamo's guards.
-This compiles the model with torch.compile's "eager" backend (the guards do not depend on the backend; eager's
-keeps the run short) under each filter, and reads the profiler's "TorchDynamo Cache Lookup" event: the guards'
-time per call. The filters are torch's own, passed as torch.compile's guard_filter_fn (resfuse.compile takes it as
-guard_filter_fn=, bench/ab.py as guards=NAME).
+Entry point: `python bench/guard_time.py [--model hf-resnet50] [--batch 1] [--device cpu] [--by-type]`. At batch 1 a
+CUDA-graphed call is bound by the host (BENCHMARKS.md), and every call of a compiled model first checks Dynamo's
+guards. This compiles the model with torch.compile's "eager" backend (the guards do not depend on the backend;
+eager's keeps the run short) under each filter, and reads the profiler's "TorchDynamo Cache Lookup" event: the
+guards' time per call. The filters are torch's own, passed as torch.compile's guard_filter_fn (resfuse.compile takes
+it as guard_filter_fn=, bench/ab.py as guards=NAME).
 """
 from __future__ import annotations
 
