@@ -81,13 +81,9 @@ def run_job(name: str, batch: int, peers: list[str], iters: int, autocast: bool 
         fn = None
         try:
             fn = variant(peer)(model)
-            first_s, outs = timing.first_call(fn, sets[0], device)
-            rel, _ = timing.output_error(outs, refs)
-            lat = timing.latency(fn, sets, device, iters)
-            # a timed call too: a CUDA graph is captured after the first call (resfuse/bench/run.py does the same)
-            rel = max(rel, timing.output_error(timing.run_once(fn, sets[-1]), late_refs)[0])
+            m = timing.measure(fn, sets, refs, late_refs, device, iters)
             report = getattr(fn, "resfuse_report", None)
-            rows.append({"peer": peer, "ms": lat.median_ms, "first_s": first_s, "rel_err": rel,
+            rows.append({"peer": peer, "ms": m.latency.median_ms, "first_s": m.first_s, "rel_err": m.rel_err,
                          "notes": list(report.notes) if report else [],
                          "errors": list(report.errors) if report else []})
         except Exception as e:  # one peer failing must not hide the others

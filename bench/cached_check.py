@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sqlite3
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import resfuse  # noqa: E402
 from resfuse.bench import models  # noqa: E402
 from resfuse.config import Config  # noqa: E402
 from resfuse.tuning import choose  # noqa: E402
+from resfuse.tuning.cache import TuningCache  # noqa: E402
 
 
 def first_call(name: str, batch: int) -> dict:
@@ -62,8 +62,7 @@ def main() -> int:
     for label in ("first process (tunes what the cache lacks)", "warm process", "warm process, checks forgotten",
                   "warm process again"):
         if "forgotten" in label:
-            with sqlite3.connect(Path(Config.from_env().cache_dir) / "tuning.sqlite") as db:
-                db.execute("DELETE FROM checks")
+            TuningCache(Path(Config.from_env().cache_dir) / "tuning.sqlite").forget_checks()
         out = subprocess.run(argv, capture_output=True, text=True)
         lines = out.stdout.strip().splitlines()
         print(f"{args.model} bs{args.batch} {label}: {lines[-1] if lines else out.stderr[-2000:]}", flush=True)

@@ -78,7 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="write the result as JSON (schema in run.py)")
     parser.add_argument("--plot", metavar="FILE.png", help="bar chart of latencies with the floor")
     parser.add_argument("--profile", action="store_true",
-                        help="torch.profiler's kernels for eager, torch.compile and resfuse: the top ones printed, all in the JSON")
+                        help="torch.profiler's kernels for eager, torch.compile and resfuse: the top ones printed, "
+                             "all in the JSON")
     parser.add_argument("--iters", type=int, default=None, help="timed calls per peer (default 100 CUDA, 5 CPU)")
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--seq", type=int, default=384, help="sequence length of text models")
@@ -213,24 +214,21 @@ def _measure(name, model, sets, references, device, iters, args, result) -> dict
     paths_before = _paths()
     try:
         fn = _build(name, model)
-        compile_s, outs = timing.first_call(fn, sets[0], device)
-        first, first_abs = timing.output_error(outs, refs)
-        off_fp32 = None if wide is None else timing.output_error(outs, wide)[0]
-        lat = timing.latency(fn, sets, device, iters)
-        # the timed calls replay what the first call only captured: check one of them too, on another input
-        late, late_abs = timing.output_error(timing.run_once(fn, sets[-1]), late_refs)
-        rel, absolute = max(first, late), max(first_abs, late_abs)
+        m = timing.measure(fn, sets, refs, late_refs, device, iters)
+        off_fp32 = None if wide is None else timing.output_error(m.outs, wide)[0]
         if args.profile and name in PROFILED:
             result["profile"][name] = timing.kernels(fn, sets, device)
     except Exception as e:  # a peer that fails to compile or run is a result, not the end of the run
         traceback.print_exc(file=sys.stderr)
         first_line = (str(e).strip().splitlines() or [""])[0]
         return {"status": "error", "error": f"{type(e).__name__}: {first_line}"[:500]}
+    lat = m.latency
     entry = {
         "status": "ok", "error": None, "latency_ms": lat.median_ms, "latency_min_ms": lat.min_ms,
         "latency_p90_ms": lat.p90_ms, "throughput_items_per_s": args.batch / (lat.median_ms / 1e3),
-        "compile_s": compile_s, "x_floor": lat.median_ms / result["floor"]["ms"] if result["floor"]["ms"] else None,
-        "max_rel_err": rel, "max_abs_err": absolute, "first_rel_err": first, "late_rel_err": late,
+        "compile_s": m.first_s, "x_floor": lat.median_ms / result["floor"]["ms"] if result["floor"]["ms"] else None,
+        "max_rel_err": m.rel_err, "max_abs_err": m.abs_err, "first_rel_err": m.first_err[0],
+        "late_rel_err": m.late_err[0],
         "fp32_rel_err": off_fp32,
         "speedup_of_resfuse": {},
     }

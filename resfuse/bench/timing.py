@@ -1,7 +1,7 @@
 """How one peer is measured: first-call time, steady-state latency, numerics against eager, top kernels.
 
-Entry points (all called by run.py for each peer, in this order): `input_sets`, `first_call`,
-`output_error`, `latency`, and with --profile `kernels`.
+Entry points: `input_sets`, then for each peer `measure` (`first_call`, `output_error`, `latency`, and the
+error of a timed call), and with --profile `kernels`. run.py and bench/ab.py call them.
 
 Latency on CUDA is timed with CUDA events around each call, after a warm-up, as the median of many calls;
 the inputs rotate among several preallocated sets so that no call finds its input already in L2 from the
@@ -112,6 +112,34 @@ def latency(fn: Callable, sets: list[tuple], device: torch.device, iters: int,
     ordered = sorted(times)
     return Latency(statistics.median(times), ordered[0], ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
                    iters, method)
+
+
+@dataclasses.dataclass
+class Measured:
+    first_s: float  # the first call's wall time: compilation and tuning included
+    outs: list[torch.Tensor]  # the first call's outputs
+    first_err: tuple[float, float]  # (relative, absolute) of the first call's outputs against refs
+    late_err: tuple[float, float]  # the same for a call after the timed ones, on the last input set
+    latency: Latency
+
+    @property
+    def rel_err(self) -> float:
+        return max(self.first_err[0], self.late_err[0])
+
+    @property
+    def abs_err(self) -> float:
+        return max(self.first_err[1], self.late_err[1])
+
+
+def measure(fn: Callable, sets: list[tuple], refs: list[torch.Tensor], late_refs: list[torch.Tensor],
+            device: torch.device, iters: int) -> Measured:
+    """One peer: its first call against `refs` (eager's outputs on sets[0]), its latency over the rotated sets, and
+    a call after the timed ones against `late_refs` (eager's on sets[-1]): a CUDA-graph peer captures its graph
+    after the first call, so the first call alone would not check what the timed calls replay."""
+    first_s, outs = first_call(fn, sets[0], device)
+    first_err = output_error(outs, refs)
+    lat = latency(fn, sets, device, iters)
+    return Measured(first_s, outs, first_err, output_error(run_once(fn, sets[-1]), late_refs), lat)
 
 
 def _cuda_event_times(fn: Callable, sets: list[tuple], iters: int) -> list[float]:

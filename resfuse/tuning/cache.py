@@ -1,7 +1,8 @@
 """The persistent tuning cache: one SQLite file of measured winners, keyed by everything that can stale them.
 
-Entry points: `TuningCache(path)` with `get(key)`, `put(key, entry, replace=False)`, `checked(key, machine)`,
-`mark_checked(key, machine)`, `entries()`, `clear()`, `export(file)`, `import_(file)`; `Key` (the fields),
+Entry points: `TuningCache(path)` with `get(key)`, `put(key, entry, replace=False)`, `lookup(key, machine)` (the
+entry and whether it was checked there), `mark_checked(key, machine)`, `forget_checks()`, `entries()`, `clear()`,
+`export(file)`, `import_(file)`; `Key` (the fields),
 `environment(device)` (the versions and GPU part) and `machine(device)` (the GPU and driver a check ran on).
 Used by tuning/profile.py and by `resfuse cache list | clear | export | import`.
 
@@ -14,6 +15,7 @@ file that is corrupt or of another schema is set aside (renamed) with a warning 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import sqlite3
@@ -90,6 +92,7 @@ def environment(device, template_version: str) -> tuple[str, int, tuple]:
     return gpu, sms, versions
 
 
+@functools.cache
 def machine(device) -> str:
     """This GPU and its driver, which a Key leaves out: a choice checked here need not be checked again here, but
     a cache carried to another card or driver is checked there."""
@@ -154,14 +157,24 @@ class TuningCache:
             db.execute("COMMIT")
             return cur.rowcount > 0
 
-    def checked(self, key: Key, machine: str) -> bool:
+    def lookup(self, key: Key, machine: str) -> tuple[Entry | None, bool]:
+        """The stored entry (None if none) and whether its choice passed the check on `machine`, in one read."""
+        digest = key.digest()
         with self._connect() as db:
-            return db.execute("SELECT 1 FROM checks WHERE digest=? AND machine=?",
-                              (key.digest(), machine)).fetchone() is not None
+            row = db.execute("SELECT provider, config, times, EXISTS(SELECT 1 FROM checks WHERE digest=? AND "
+                             "machine=?) FROM entries WHERE digest=?", (digest, machine, digest)).fetchone()
+        if row is None:
+            return None, False
+        return Entry(row[0], json.loads(row[1]), json.loads(row[2])), bool(row[3])
 
     def mark_checked(self, key: Key, machine: str) -> None:
         with self._connect() as db:
             db.execute("INSERT OR IGNORE INTO checks VALUES (?, ?)", (key.digest(), machine))
+
+    def forget_checks(self) -> int:
+        """Drop every check, as a cache carried to another machine has none: each choice is checked on next use."""
+        with self._connect() as db:
+            return db.execute("DELETE FROM checks").rowcount
 
     def entries(self) -> list[tuple[dict, Entry]]:
         with self._connect() as db:

@@ -135,11 +135,11 @@ def choose(call: Call) -> Choice:
     if fast in _CHOICES:
         return _CHOICES[fast]
     k = key(call)
-    entry = None if _SETTINGS["force"] else _cache().get(k)
+    here = machine(call.out.device)
+    entry, checked = (None, False) if _SETTINGS["force"] else _cache().lookup(k, here)
     replace = _SETTINGS["force"]
     why = None
-    here = machine(call.out.device)
-    if entry is not None and not _cache().checked(k, here):
+    if entry is not None and not checked:
         why = _off_thread(call.out.device, cached_is_wrong, call, entry, level,
                           passed=lambda: _cache().mark_checked(k, here))
         if call.out.device.type == "cuda":

@@ -41,25 +41,35 @@ def test_force_retune_replaces_and_plain_put_keeps(cache):
     assert cache.get(KEY) == newer and len(cache.entries()) == 1
 
 
+def checked(cache, key, machine):
+    entry, was_checked = cache.lookup(key, machine)
+    assert entry == cache.get(key)  # lookup reads the entry get reads, with its check, in one connection
+    return was_checked
+
+
 def test_a_check_is_kept_per_machine_until_its_choice_is_replaced(cache, tmp_path):
     """A choice checked on one machine (GPU and driver) is not checked again there; another machine, a replaced
     choice, a cleared cache or an import checks it again."""
     cache.put(KEY, ENTRY)
-    assert not cache.checked(KEY, "gpu-a driver 1")
+    assert not checked(cache, KEY, "gpu-a driver 1")
     cache.mark_checked(KEY, "gpu-a driver 1")
-    assert cache.checked(KEY, "gpu-a driver 1")
-    assert not cache.checked(KEY, "gpu-a driver 2") and not cache.checked(dataclasses.replace(KEY, op="gemm"),
+    assert checked(cache, KEY, "gpu-a driver 1")
+    assert not checked(cache, KEY, "gpu-a driver 2") and not checked(cache, dataclasses.replace(KEY, op="gemm"),
                                                                              "gpu-a driver 1")
-    assert not cache.put(KEY, ENTRY) and cache.checked(KEY, "gpu-a driver 1")  # a kept entry keeps its checks
+    assert not cache.put(KEY, ENTRY) and checked(cache, KEY, "gpu-a driver 1")  # a kept entry keeps its checks
     cache.export(tmp_path / "out.json")
     other = TuningCache(tmp_path / "other.sqlite")
     other.import_(tmp_path / "out.json")
-    assert other.get(KEY) == ENTRY and not other.checked(KEY, "gpu-a driver 1")
+    assert other.get(KEY) == ENTRY and not checked(other, KEY, "gpu-a driver 1")
     assert cache.put(KEY, Entry("cudnn", {"engine": 3}, {}), replace=True)
-    assert not cache.checked(KEY, "gpu-a driver 1")
+    assert not checked(cache, KEY, "gpu-a driver 1")
+    cache.mark_checked(KEY, "gpu-a driver 1")
+    cache.mark_checked(KEY, "gpu-a driver 2")
+    assert cache.forget_checks() == 2  # as a cache carried elsewhere: the entry stays, its checks go
+    assert cache.get(KEY) is not None and not checked(cache, KEY, "gpu-a driver 1")
     cache.mark_checked(KEY, "gpu-a driver 1")
     cache.clear()
-    assert not cache.checked(KEY, "gpu-a driver 1")
+    assert cache.lookup(KEY, "gpu-a driver 1") == (None, False)
 
 
 def test_a_file_made_before_the_checks_table_gains_it(tmp_path):
@@ -68,9 +78,9 @@ def test_a_file_made_before_the_checks_table_gains_it(tmp_path):
     with sqlite3.connect(path) as db:
         db.execute("DROP TABLE checks")
     cache = TuningCache(path)
-    assert cache.get(KEY) == ENTRY and not cache.checked(KEY, "m")
+    assert cache.get(KEY) == ENTRY and not checked(cache, KEY, "m")
     cache.mark_checked(KEY, "m")
-    assert cache.checked(KEY, "m")
+    assert checked(cache, KEY, "m")
 
 
 def _writer(path, worker, n):

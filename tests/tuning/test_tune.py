@@ -308,7 +308,7 @@ def test_a_cached_choice_that_is_wrong_here_is_measured_again(tmp_path, monkeypa
     assert ch.choose(call).provider == "aten"
     assert "is wrong here" in capsys.readouterr().out
     assert ch._cache().get(ch.key(call)).provider == "aten"  # the wrong entry replaced
-    assert ch._cache().checked(ch.key(call), "another GPU or driver")  # and its measured winner marked checked
+    assert ch._cache().lookup(ch.key(call), "another GPU or driver")[1]  # and its measured winner marked checked
 
 
 def test_a_cached_choice_is_checked_once_a_machine(tmp_path, monkeypatch):
