@@ -213,3 +213,18 @@ def test_batch_norms_take_their_statistics_from_the_conv(tmp_path):
         assert len(takers) == (3 if on else 0), graph
         assert PATHS[("conv2d_stats", "", "reference")] == (3 if on else 0)
         assert any("3 conv(s) compute" in r for r in report.rewrites) == on, report.rewrites
+
+
+@pytest.mark.parametrize("memory_format", [torch.channels_last, torch.contiguous_format])
+@pytest.mark.parametrize("cin", [3, 4, 8])
+def test_eagers_cpu_weight_gradient_that_judges_these_nets_is_right(cin, memory_format):
+    """The nets above judge resfuse against eager's error. oneDNN's weight gradient of a 1x1 stride-2 conv in
+    channels_last with under 8 input channels is wrong (0.2-0.6 relative, torch 2.13 and 2.14) and can corrupt
+    the heap; tests/conftest.py turns oneDNN off so that eager is a fair judge. This fails if it is on again."""
+    w = torch.randn(8, cin, 1, 1).to(memory_format=memory_format).requires_grad_(True)
+    x = torch.randn(2, cin, 8, 8).to(memory_format=memory_format)
+    g = torch.randn(2, 8, 4, 4).to(memory_format=memory_format)
+    torch.nn.functional.conv2d(x, w, stride=2).backward(g)
+    exact = w.detach().double().requires_grad_(True)
+    torch.nn.functional.conv2d(x.double(), exact, stride=2).backward(g.double())
+    torch.testing.assert_close(w.grad.double(), exact.grad, rtol=1e-5, atol=1e-5)
