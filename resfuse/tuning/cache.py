@@ -2,8 +2,8 @@
 
 Entry points: `TuningCache(path)` with `get(key)`, `put(key, entry, replace=False)`, `lookup(key, machine)` (the
 entry and whether it was checked there), `mark_checked(key, machine)`, `forget_checks()`, `entries()`, `clear()`,
-`export(file)`, `import_(file)`; `Key` (the fields),
-`environment(device)` (the versions and GPU part) and `machine(device)` (the GPU and driver a check ran on).
+`export(file)`, `import_(file)`; `Key` (the fields), `environment(device)` (the versions and GPU part) and
+`machine(device)` (the GPU and driver a check ran on).
 Used by tuning/profile.py and by `resfuse cache list | clear | export | import`.
 
 Lessons kept (shared/design.md): TVM keyed on the shape alone and served stale hits, so the key holds the op,
