@@ -15,6 +15,7 @@ def _default_cache_dir() -> str:
 
 
 REMAINDERS = ("auto", "inductor", "eager")
+PROVIDERS = ("triton", "cudnn", "epilogue", "aten")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +67,12 @@ class Config:
     ("In inference, compute the values a graph derives from parameters alone (merged linears' concatenated weights, "
      "autocast's weight casts) outside it, once, and again only when a parameter changes in place or is replaced, "
      "instead of on every call. A write through `.data` is not seen.")
-    providers: tuple[str, ...] = ("triton", "aten")
-    "Who may run a fused op on CUDA, in order of preference until the tuner measures them."
+    providers: tuple[str, ...] = PROVIDERS
+    ("Whose candidates the tuner measures for a fused op on CUDA: triton (our kernels), cudnn (cuDNN's fused "
+     "graph), epilogue (cuDNN/cuBLAS, then our epilogue kernel), aten (cuDNN/cuBLAS, then the epilogue as torch ops). "
+     "A pair of convs is always also offered as its two convs, each tuned under the same rule. A subset keeps its own "
+     "entries in the tuning cache. An op none of them can run runs unfused; once the tuning budget is spent, an "
+     "untuned op runs cuDNN/cuBLAS + our epilogue kernel whatever this says.")
     tuning: str = "fast"
     "Tuning level on CUDA: none (heuristic config), fast (a pruned space), max (exhaustive; slow)."
     tuning_budget_s: float = 120.0
@@ -110,6 +115,8 @@ class Config:
     def __post_init__(self):
         if self.remainder not in REMAINDERS:
             raise ValueError(f"remainder={self.remainder!r}: choose from {', '.join(REMAINDERS)}")
+        if not self.providers or set(self.providers) - set(PROVIDERS):
+            raise ValueError(f"providers={self.providers!r}: one or more of {', '.join(PROVIDERS)}")
 
     @classmethod
     def from_env(cls, **overrides) -> "Config":

@@ -208,7 +208,8 @@ class Settings:
         if kernels.triton_installed():
             from ..tuning.choose import configure
 
-            configure(c.tuning, c.cache_dir, c.tuning_budget_s, c.retune, new_compile=new_compile)
+            configure(c.tuning, c.cache_dir, c.tuning_budget_s, c.retune, new_compile=new_compile,
+                      providers=c.providers)
         Settings.current = self
 
     def wrap(self, fn):

@@ -68,27 +68,30 @@ HEURISTIC = Choice("triton", None)
 UNTUNED = Choice("epilogue", None)  # cuDNN/cuBLAS + our epilogue kernel: no config to guess, never worse than ATen's
 #                                     unfused ops in traffic; what runs once a compile's tuning budget is spent
 UNFUSED = Choice("aten", None)
-_SETTINGS = {"level": "fast", "cache_dir": None, "budget_s": 120.0, "force": False}
+ALL_PROVIDERS = ("triton", "cudnn", "epilogue", "aten")  # config.PROVIDERS: whose candidates a tuning may measure
+_SETTINGS = {"level": "fast", "cache_dir": None, "budget_s": 120.0, "force": False, "providers": ALL_PROVIDERS}
 _STATE = {"spent_s": 0.0, "cache": None}
 _CHOICES: dict[str, Choice] = {}
 
 
-def configure(level: str, cache_dir: str, budget_s: float, force: bool = False, new_compile: bool = True) -> None:
+def configure(level: str, cache_dir: str, budget_s: float, force: bool = False, new_compile: bool = True,
+              providers: tuple[str, ...] = ALL_PROVIDERS) -> None:
     """Settings for the ops that run from now on. A new compile gets the whole wall-clock budget again, and forgets
-    the ops it ran untuned for want of budget, and (another cache, or a forced re-tune) the choices made so far. A
+    the ops it ran untuned for want of budget, and (another cache, other providers, or a forced re-tune) the
+    choices made so far. A
     compiled model's graphs switching back to their own settings (capture/backend.Settings: new_compile=False) keep
     all of that, so that two models called in turn neither tune again nor reset each other's budget."""
     if new_compile:
         _STATE["spent_s"] = 0.0
         for k in [k for k, c in _CHOICES.items() if c == UNTUNED]:
             del _CHOICES[k]
-        if cache_dir != _SETTINGS["cache_dir"]:
-            _CHOICES.clear()  # another cache: the choices read from or tuned into the last one are not its own
+        if cache_dir != _SETTINGS["cache_dir"] or tuple(providers) != _SETTINGS["providers"]:
+            _CHOICES.clear()  # another cache or providers: the choices made so far are not its own
         if force and not _SETTINGS["force"]:
             _CHOICES.clear()  # a forced re-tune measures again what this process already chose
     if cache_dir != _SETTINGS["cache_dir"]:
         _STATE["cache"] = None
-    _SETTINGS.update(level=level, cache_dir=cache_dir, budget_s=budget_s, force=force)
+    _SETTINGS.update(level=level, cache_dir=cache_dir, budget_s=budget_s, force=force, providers=tuple(providers))
 
 
 def _cache() -> TuningCache:
@@ -99,7 +102,10 @@ def _cache() -> TuningCache:
 
 def key(call: Call) -> Key:
     tensors, out = [*call.inputs, *call.operands], call.out
-    gpu, sms, versions = environment(out.device, f"{codegen.TEMPLATE_VERSION}{epi.op_versions(call.signature)}")
+    versions = f"{codegen.TEMPLATE_VERSION}{epi.op_versions(call.signature)}"
+    if set(_SETTINGS["providers"]) != set(ALL_PROVIDERS):  # a subset's winners are its own, not the default's
+        versions += "|" + ",".join(sorted(_SETTINGS["providers"]))
+    gpu, sms, versions = environment(out.device, versions)
     flat = tuple(tuple(x) if isinstance(x, (list, tuple)) else x for x in call.params)
     return Key(call.op, (*[tuple(t.shape) for t in call.inputs], flat),
                (*[str(t.dtype) for t in tensors], str(out.dtype)),
@@ -108,6 +114,13 @@ def key(call: Call) -> Key:
 
 def level_now() -> str:
     return _SETTINGS["level"]
+
+
+def allowed(call: Call, among: tuple[str, ...] = ALL_PROVIDERS) -> tuple[str, ...]:
+    """The providers of `among` whose candidates may be measured for `call` (Config.providers); a pair of convs
+    also as its two convs ("separate"), each of which is tuned under the same rule."""
+    pair = ("separate",) if call.op in providers.separate.PAIRS and "separate" in among else ()
+    return (*[p for p in among if p in _SETTINGS["providers"]], *pair)
 
 
 def needs_tuning(call: Call) -> bool:
@@ -293,7 +306,7 @@ def tune(call: Call, *, bench, level: str, budget_s: float = float("inf"), repor
     misses = []
     for attempt in (1, 2):
         reference = _reference(call)
-        candidates = providers.candidates(call, level)
+        candidates = providers.candidates(call, level, allowed(call, tuple(providers.PROVIDERS)))
         if attempt == 1:
             compile_in_parallel(candidates, call.out.device)
             precompile.cudnn_built(call, level)  # its engine configs built on worker processes

@@ -81,7 +81,7 @@ def ahead(gm) -> int:
 
 def _queue_graph(gm) -> int:
     from .. import providers
-    from .choose import fast_key, level_now, needs_tuning, triton_launches
+    from .choose import allowed, fast_key, level_now, needs_tuning, triton_launches
 
     seen = set()
 
@@ -94,7 +94,8 @@ def _queue_graph(gm) -> int:
 
     before = len(workers.QUEUED)
     for call in _calls(gm, wanted):  # refusals on the scratch tensors: the chain kernel's asks their addresses
-        workers.submit(record(triton_launches(providers.candidates(call, level_now(), ("triton", "epilogue")))))
+        workers.submit(record(triton_launches(providers.candidates(call, level_now(),
+                                                                   allowed(call, ("triton", "epilogue"))))))
         _queue_cudnn(call, level_now())
     return len(workers.QUEUED) - before  # distinct kernels: problems share some (MobileNetV3 bs32: 730 for 989 futures)
 
@@ -110,11 +111,14 @@ def cudnn_built(call, level: str) -> None:
 
 def _queue_cudnn(call, level: str) -> list:
     """The futures of the workers' builds of each engine config the level times for `call`, a job each; none where
-    the CUDA driver keeps no JIT cache (CUDA_CACHE_DISABLE=1): a worker's build would not reach the tuner."""
+    cuDNN's candidates are not measured (Config.providers), or where the CUDA driver keeps no JIT cache
+    (CUDA_CACHE_DISABLE=1): a worker's build would not reach the tuner."""
     from .. import providers
-    from .choose import fast_key
+    from .choose import allowed, fast_key
 
-    spec = None if os.environ.get("CUDA_CACHE_DISABLE") == "1" else providers.cudnn.build_spec(call, level)
+    if "cudnn" not in allowed(call) or os.environ.get("CUDA_CACHE_DISABLE") == "1":
+        return []
+    spec = providers.cudnn.build_spec(call, level)
     if spec is None:
         return []
     problem = fast_key(call)

@@ -380,3 +380,33 @@ def test_the_cached_check_finds_a_variant_choice(monkeypatch):
     assert ch.cached_is_wrong(call, ch.Entry("triton", {"tma_store": False}, {}), "fast") is None
     assert "non-finite" in ch.cached_is_wrong(call, ch.Entry("triton", {"tma_store": True}, {}), "fast")
     assert ch.cached_is_wrong(call, ch.Entry("triton", {"tma_store": None}, {}), "fast") is None  # not offered
+
+
+def test_a_subset_of_providers_is_all_that_is_measured_and_keeps_its_own_cache_entries(tmp_path, monkeypatch):
+    """Config.providers: with triton alone, the tuner measures our kernels only, though ATen is timed faster, and
+    stores that winner under its own key, which a later compile with every provider neither reads nor replaces."""
+    monkeypatch.setattr(ch, "_tunable", lambda device: True)
+    monkeypatch.setattr(ch, "_CHOICES", {})
+    monkeypatch.setattr(ch, "_SETTINGS", dict(ch._SETTINGS))  # the subset is not left to the next test
+    measured = []
+    monkeypatch.setattr(ch, "_bench", lambda fn: measured.append(fn.__code__.co_filename)
+                        or bench_favouring("aten")(fn))
+    ch.configure("fast", str(tmp_path), budget_s=600, providers=("triton",))
+    call = conv_call()
+    assert ch.choose(call).provider == "triton"
+    assert measured and all("triton" in f for f in measured)
+    ch.configure("fast", str(tmp_path), budget_s=600)  # every provider: the subset's winner is not its answer
+    assert ch.choose(call).provider == "aten"
+    assert sorted(e.provider for _, e in ch._cache().entries()) == ["aten", "triton"]
+    ch.configure("fast", str(tmp_path), budget_s=600, providers=("triton",))
+    n = len(measured)
+    assert ch.choose(call).provider == "triton" and len(measured) == n  # read back from the subset's own entry
+
+
+def test_config_refuses_an_unknown_provider():
+    from resfuse.config import Config
+
+    with pytest.raises(ValueError, match="providers"):
+        Config(providers=("triton", "cublas"))
+    with pytest.raises(ValueError, match="providers"):
+        Config(providers=())
