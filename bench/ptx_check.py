@@ -31,7 +31,7 @@ def operand_types(signature: str) -> dict:
 def compile_ptx(family, signature: str, types: dict, constexprs: dict, num_warps=8, num_stages=3) -> str:
     kernel = codegen.load(family, signature)
     sig = {"out": "*fp16", "ws": "*fp16", "tickets": "*fp16", **types, family.s_out_c: "i32",
-           **operand_types(signature), **{c: "constexpr" for c in family.constexprs}}
+           **operand_types(signature), **{c: "constexpr" for c in (*family.constexprs, "PDL", "PREFETCH")}}
     src = ASTSource(kernel, sig, constexprs={(kernel.arg_names.index(n),): v for n, v in constexprs.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
@@ -42,14 +42,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--signature", default="relu(add(acc,c0))")
     args = parser.parse_args()
-    tile = {"BM": 128, "BN": 128, "BK": 64, "GROUP_M": 8, "SPLIT_K": 1, "PRECISION": "tf32"}
+    tile = {"BM": 128, "BN": 128, "BK": 64, "GROUP_M": 8, "SPLIT_K": 1, "PRECISION": "tf32", "PDL": False,
+            "PREFETCH": False}
     pointer_args = {n: "i32" for n in matmul.FAMILY.args}
     pointer_args.update(a="*fp16", b="*fp16")
     cases = [("pointer", matmul.FAMILY, pointer_args, {**tile, "EVEN_K": True})]
     for b_kn in (True, False):
         box_b = "[64, 128]" if b_kn else "[128, 64]"
         types = {n: "i32" for n in matmul.TMA_FAMILY.args}
-        types.update(a_desc="tensordesc<fp16[128, 64]>", b_desc=f"tensordesc<fp16{box_b}>")
+        types.update(a_desc="tensordesc<fp16[128, 64]>", b_desc=f"tensordesc<fp16{box_b}>", b_mat="*fp16")
         cases.append((f"tma B_KN={b_kn}", matmul.TMA_FAMILY, types, {**tile, "B_KN": b_kn}))
     for name, family, types, constexprs in cases:
         ptx = compile_ptx(family, args.signature, types, constexprs)

@@ -86,6 +86,10 @@ class Config:
     pdl: bool = True
     ("Launch the generated kernels with programmatic dependent launch on Hopper and later (env RESFUSE_PDL=0 turns "
      "it off): a kernel's programs start while the previous kernel drains and wait for it before touching memory.")
+    prefetch_weights: bool = True
+    ("Let our conv and GEMM kernels ask L2 for their weight tile first, on Hopper and later, before they wait for "
+     "the previous kernel (env RESFUSE_PREFETCH=0 turns it off): under programmatic dependent launch the weights "
+     "then stream in while that kernel runs.")
     tma_store: bool = True
     ("Let the tuner try writing the outputs of the GEMM's TMA kernels (linear layers, 1x1 convs and their data "
      "gradients, fp16/bf16) by bulk tensor-descriptor stores, beside per-thread stores, on Hopper and later; it keeps "
@@ -127,6 +131,8 @@ class Config:
             env["cache_dir"] = os.environ["RESFUSE_CACHE_DIR"]
         if os.environ.get("RESFUSE_PDL", "") == "0":
             env["pdl"] = False
+        if os.environ.get("RESFUSE_PREFETCH", "") == "0":
+            env["prefetch_weights"] = False
         if os.environ.get("RESFUSE_TMA_STORE", "") == "0":
             env["tma_store"] = False
         if os.environ.get("RESFUSE_COMPILE_WORKERS"):

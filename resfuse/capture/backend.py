@@ -199,8 +199,8 @@ class Settings:
         if Settings.current is self and not new_compile:
             return
         c = self.config
-        kernels.set_options(cache_dir=c.cache_dir, split_k=c.split_k, pdl=c.pdl, tma_store=c.tma_store,
-                            compile_workers=c.compile_workers)
+        kernels.set_options(cache_dir=c.cache_dir, split_k=c.split_k, pdl=c.pdl, prefetch=c.prefetch_weights,
+                            tma_store=c.tma_store, compile_workers=c.compile_workers)
         # The interpreter is a process-wide Triton mode: a config can turn it on, never off again. Without it,
         # fused ops on CPU tensors take the reference path (PassContext.provider_for).
         if c.interpret:

@@ -23,7 +23,7 @@ Entry points, called by ops/fused.py:
   pad_channels(x, out) -> out                       x's channels zero-padded to out's, cast (padding.py)
   image_conv(x, w, stride, padding, out) -> out     a conv over an image of <= 4 channels (conv2d_image.py)
   OutOfResources                                    Triton's error for a config that does not load on this GPU
-  set_options(interpret=..., cache_dir=..., split_k=..., pdl=..., tma_store=..., compile_workers=...)
+  set_options(interpret=..., cache_dir=..., split_k=..., pdl=..., prefetch=..., tma_store=..., compile_workers=...)
                                                     module state, made current for each compiled
                                                     model's calls (capture/backend.Settings)
 
@@ -43,7 +43,7 @@ WINDOW_NOT_POSITIVE = 64
 
 # Triton's own switch (set by a test harness, or by set_options) tells the mode kernels get built in.
 _OPTIONS = {"interpret": os.environ.get("TRITON_INTERPRET", "0") == "1", "cache_dir": None, "split_k": None,
-            "pdl": True, "tma_store": True, "compile_workers": None}
+            "pdl": True, "prefetch": True, "tma_store": True, "compile_workers": None}
 
 
 def set_options(**options) -> None:

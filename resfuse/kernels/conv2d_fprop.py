@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .codegen import Family
 from .matmul import persistent_ok, split_k_heuristic, tiles_fit
-from .tiles import cdiv, k_range, mma, swizzle_tile, tile_offsets
+from .tiles import cdiv, k_range, mma, prefetch_rows, swizzle_tile, tile_offsets
 
 
 @triton.jit
@@ -80,7 +80,51 @@ def conv2d_fprop_mainloop(x, w, NB, H, W, C, KO, OH, OW, R, S,
 
 
 @triton.jit
-def conv2d_tma_mainloop(x_desc, w_desc, NB, H, W, C, KO, OH, OW, R, S, s_on, s_oh, s_ow, pad_h, pad_w, dil_h, dil_w,
+def conv2d_prefetch(w, NB, C, KO, OH, OW, R, S, s_wk, s_wc, s_wr, s_ws, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, FLAT: tl.constexpr):
+    """FAMILY's Family.prefetch: the weight rows (output channels) of this program's tile. A KRSC weight's split
+    asks for its own stretch of each row (krsc_range), any other layout for each row's whole span."""
+    _, tile_n = swizzle_tile(tl.program_id(0), cdiv(NB * OH * OW, BM), cdiv(KO, BN), GROUP_M)
+    span = (R - 1) * s_wr + (S - 1) * s_ws + (C - 1) * s_wc + 1
+    k0 = span * 0
+    k1 = span
+    if SPLIT_K > 1:
+        if FLAT:  # one reduction index over (r, s, c): the KRSC row itself, in blocks of BK
+            lo, hi = k_range(tl.program_id(2), cdiv(span, BK), SPLIT_K)
+            part0, part1 = lo * BK, tl.minimum(hi * BK, span)
+        else:
+            part0, part1 = krsc_range(tl.program_id(2), C, R, S, BK, SPLIT_K)
+        krsc = (s_wc == 1) & (s_ws == C) & (s_wr == S * C)
+        k0 = tl.where(krsc, part0, k0)
+        k1 = tl.where(krsc, part1, k1)
+    prefetch_rows(w, tile_n * BN, KO, s_wk, k0, k1, BN)
+
+
+@triton.jit
+def krsc_range(pid_k, C, R, S, BK: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The elements [k0, k1) of a KRSC weight row that split pid_k reads, its reduction blocks being (r, s, BK
+    channels) with the channels innermost, as both conv mainloops walk them."""
+    c_blocks = cdiv(C, BK)
+    lo, hi = k_range(pid_k, R * S * c_blocks, SPLIT_K)
+    k0 = lo // c_blocks * C + tl.minimum(lo % c_blocks * BK, C)
+    k1 = hi // c_blocks * C + tl.minimum(hi % c_blocks * BK, C)
+    return k0, k1
+
+
+@triton.jit
+def conv2d_tma_prefetch(w_mat, NB, C, KO, OH, OW, R, S, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr):
+    """TMA_FAMILY's Family.prefetch: this program's stretch (krsc_range) of its tile's rows of the dense KRSC
+    weight w_mat."""
+    IMGS: tl.constexpr = BM // (BH * BW)
+    _, tile_n = swizzle_tile(tl.program_id(0), cdiv(NB, IMGS) * cdiv(OH, BH) * cdiv(OW, BW), cdiv(KO, BN), GROUP_M)
+    k0, k1 = krsc_range(tl.program_id(2), C, R, S, BK, SPLIT_K)
+    prefetch_rows(w_mat, tile_n * BN, KO, R * S * C, k0, k1, BN)
+
+
+@triton.jit
+def conv2d_tma_mainloop(x_desc, w_desc, w_mat, NB, H, W, C, KO, OH, OW, R, S, s_on, s_oh, s_ow, pad_h, pad_w, dil_h,
+                        dil_w,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                         SPLIT_K: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, PRECISION: tl.constexpr,
                         WS: tl.constexpr):
@@ -90,7 +134,7 @@ def conv2d_tma_mainloop(x_desc, w_desc, NB, H, W, C, KO, OH, OW, R, S, s_on, s_o
     (r, s) its inputs are one shifted [images, BH, BW, BK] box of the NHWC input: one bulk copy, no address
     math, and the box's parts past an edge (the padding, negative coordinates included) read as zeros. The
     weight tile is a [BN, 1, 1, BK] box of the KRSC weight. Pixels of the box past the output's edge are
-    computed and masked at the store."""
+    computed and masked at the store. w_mat, the weight w_desc reads, is conv2d_tma_prefetch's."""
     IMGS: tl.constexpr = BM // (BH * BW)
     pid = tl.program_id(0)
     pid_k = tl.program_id(2)
@@ -122,10 +166,11 @@ def conv2d_tma_mainloop(x_desc, w_desc, NB, H, W, C, KO, OH, OW, R, S, s_on, s_o
 
 TMA_FAMILY = Family(
     name="conv2d_tma", module=__name__, mainloop="conv2d_tma_mainloop",
-    args=("x_desc", "w_desc", "NB", "H", "W", "C", "KO", "OH", "OW", "R", "S", "s_on", "s_oh", "s_ow",
+    args=("x_desc", "w_desc", "w_mat", "NB", "H", "W", "C", "KO", "OH", "OW", "R", "S", "s_on", "s_oh", "s_ow",
           "pad_h", "pad_w", "dil_h", "dil_w"),
     constexprs=("BM", "BN", "BK", "GROUP_M", "SPLIT_K", "BH", "BW", "PRECISION", "WS"),
     n_cols="KO", s_out_c="s_ok",
+    prefetch="conv2d_tma_prefetch(w_mat, NB, C, KO, OH, OW, R, S, BM, BN, BK, GROUP_M, SPLIT_K, BH, BW)",
 )
 
 
@@ -148,6 +193,7 @@ FAMILY = Family(
           "stride_h", "stride_w", "pad_h", "pad_w", "dil_h", "dil_w"),
     constexprs=("BM", "BN", "BK", "GROUP_M", "SPLIT_K", "FLAT", "PRECISION"),
     n_cols="KO", s_out_c="s_ok",
+    prefetch="conv2d_prefetch(w, NB, C, KO, OH, OW, R, S, s_wk, s_wc, s_wr, s_ws, BM, BN, BK, GROUP_M, SPLIT_K, FLAT)",
 )
 
 

@@ -138,11 +138,13 @@ def _tma_plan(as_matrices, inputs, operands, signature, out, channel_dim, cfg, s
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     b_box = [bk, bn] if b_kn else [bn, bk]
 
-    def descriptors(*inputs):
+    def descriptors(*inputs):  # and B's matrix itself, for the weight prefetch (matmul.gemm_tma_prefetch)
         a, b = as_matrices(*inputs)
-        return TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b if b_kn else b.t(), b_box)
+        b_mat = b if b_kn else b.t()
+        return TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b_mat, b_box), b_mat
 
     rps, s_os, s_om, s_on = out_view
+    s_b = (b if b_kn else b.t()).stride(0)
     meta = dict(BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, SPLIT_K=split, B_KN=b_kn,
                 PRECISION=_precision(a.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     strides = operand_strides(signature, operands, out.shape, channel_dim)
@@ -158,9 +160,9 @@ def _tma_plan(as_matrices, inputs, operands, signature, out, channel_dim, cfg, s
     kernel = codegen.load(family, signature, slots, out_box is not None)
     if cfg.persistent and split == 1:
         programs = min(tiles_mn, cfg.persistent * sm_count(a.device))
-        return Plan(kernel, (programs, 1, 1), [m, n, k, rps, s_os, s_om, tiles_mn, s_on], strides, meta,
+        return Plan(kernel, (programs, 1, 1), [m, n, k, rps, s_os, s_om, s_b, tiles_mn, s_on], strides, meta,
                     (tiles_mn, 1, bm, bn), out.device, descriptors, triton.cdiv(m, bm), boxes, out_box)
-    return Plan(kernel, (tiles_mn, 1, split), [m, n, k, rps, s_os, s_om, s_on], strides, dict(meta, WS=cfg.ws),
+    return Plan(kernel, (tiles_mn, 1, split), [m, n, k, rps, s_os, s_om, s_b, s_on], strides, dict(meta, WS=cfg.ws),
                 (tiles_mn, split, bm, bn), out.device, descriptors, triton.cdiv(m, bm), boxes, out_box)
 
 
@@ -295,7 +297,8 @@ def _tma_conv_plan(x, w, operands, signature, out, cfg, split, padding, dilation
 
     def descriptors(x, w):
         xv, wv = conv_tma_operands(x, w, (1, 1))
-        return (TensorDescriptor.from_tensor(xv, [imgs, bh, bw, bk]), TensorDescriptor.from_tensor(wv, [bn, 1, 1, bk]))
+        return (TensorDescriptor.from_tensor(xv, [imgs, bh, bw, bk]), TensorDescriptor.from_tensor(wv, [bn, 1, 1, bk]),
+                wv)  # and the weight itself, for its prefetch (conv2d_fprop.conv2d_tma_prefetch)
 
     tiles = triton.cdiv(nb, imgs) * triton.cdiv(oh, bh) * triton.cdiv(ow, bw) * triton.cdiv(ko, bn)
     s_on, s_ok, s_oh, s_ow = out.stride()

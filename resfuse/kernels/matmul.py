@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .codegen import Family
-from .tiles import cdiv, k_range, mma, swizzle_tile, tile_offsets
+from .tiles import cdiv, k_range, mma, prefetch_rows, swizzle_tile, tile_offsets
 
 
 @triton.jit
@@ -66,19 +66,20 @@ FAMILY = Family(
 
 
 @triton.jit
-def gemm_tma_mainloop(a_desc, b_desc, M, N, K, RPS, s_os, s_om,
+def gemm_tma_mainloop(a_desc, b_desc, b_mat, M, N, K, RPS, s_os, s_om, s_b,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                       SPLIT_K: tl.constexpr, B_KN: tl.constexpr, PRECISION: tl.constexpr, WS: tl.constexpr):
     """gemm_mainloop for a 2-D A [M, K] and B read through TMA tensor descriptors (Hopper's bulk tile copies):
     no per-element address math, and boxes past an edge read as zeros, so no M, N or K masks. B is [K, N]
     (B_KN) or, for a linear layer's transposed weight, the [N, K] matrix it is a view of. WS: Triton's warp
-    specialisation of the loop (producer warps issue the copies, consumer warps the MMAs)."""
+    specialisation of the loop (producer warps issue the copies, consumer warps the MMAs). b_mat and s_b, the
+    matrix b_desc reads and its row stride, are gemm_tma_prefetch's."""
     return gemm_tma_tile(tl.program_id(0), tl.program_id(2), a_desc, b_desc, M, N, K, RPS, s_os, s_om,
                          BM, BN, BK, GROUP_M, SPLIT_K, B_KN, PRECISION, WS)
 
 
 @triton.jit
-def gemm_tma_persistent_mainloop(tile_id, a_desc, b_desc, M, N, K, RPS, s_os, s_om, TILES,
+def gemm_tma_persistent_mainloop(tile_id, a_desc, b_desc, b_mat, M, N, K, RPS, s_os, s_om, s_b, TILES,
                                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                                  SPLIT_K: tl.constexpr, B_KN: tl.constexpr, PRECISION: tl.constexpr):
     """One tile of gemm_tma_mainloop for a persistent kernel, which walks TILES tiles (codegen's loop): the
@@ -109,6 +110,17 @@ def gemm_tma_tile(pid, pid_k, a_desc, b_desc, M, N, K, RPS, s_os, s_om,
 
 
 @triton.jit
+def gemm_tma_prefetch(pid, pid_k, b_mat, M, N, K, s_b, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, B_KN: tl.constexpr):
+    """The TMA families' Family.prefetch: where B is the [N, K] weight of a linear layer or 1x1 conv, the BN rows
+    of tile `pid` over split pid_k's columns. A [K, N] B (a product of activations) is not prefetched."""
+    if not B_KN:
+        _, tile_n = swizzle_tile(pid, cdiv(M, BM), cdiv(N, BN), GROUP_M)
+        lo, hi = k_range(pid_k, cdiv(K, BK), SPLIT_K)
+        prefetch_rows(b_mat, tile_n * BN, N, s_b, lo * BK, tl.minimum(hi * BK, K), BN)
+
+
+@triton.jit
 def gemm_tma_origin(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
     """The first row and column of gemm_tma_tile's tile `tile` (codegen's Family.origin)."""
     tile_m, tile_n = swizzle_tile(tile, cdiv(M, BM), cdiv(N, BN), GROUP_M)
@@ -117,16 +129,19 @@ def gemm_tma_origin(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.
 
 TMA_FAMILY = Family(
     name="gemm_tma", module=__name__, mainloop="gemm_tma_mainloop",
-    args=("a_desc", "b_desc", "M", "N", "K", "RPS", "s_os", "s_om"),
+    args=("a_desc", "b_desc", "b_mat", "M", "N", "K", "RPS", "s_os", "s_om", "s_b"),
     constexprs=("BM", "BN", "BK", "GROUP_M", "SPLIT_K", "B_KN", "PRECISION", "WS"),
     n_cols="N", s_out_c="s_on", origin="gemm_tma_origin(tile, M, N, BM, BN, GROUP_M)",
+    prefetch="gemm_tma_prefetch(tl.program_id(0), tl.program_id(2), b_mat, M, N, K, s_b, BM, BN, BK, GROUP_M, "
+             "SPLIT_K, B_KN)",
 )
 
 PERSISTENT_FAMILY = Family(
     name="gemm_tma_persistent", module=__name__, mainloop="gemm_tma_persistent_mainloop",
-    args=("a_desc", "b_desc", "M", "N", "K", "RPS", "s_os", "s_om", "TILES"),
+    args=("a_desc", "b_desc", "b_mat", "M", "N", "K", "RPS", "s_os", "s_om", "s_b", "TILES"),
     constexprs=("BM", "BN", "BK", "GROUP_M", "SPLIT_K", "B_KN", "PRECISION"),
     n_cols="N", s_out_c="s_on", loop="TILES", origin="gemm_tma_origin(tile, M, N, BM, BN, GROUP_M)",
+    prefetch="gemm_tma_prefetch(tl.program_id(0), 0, b_mat, M, N, K, s_b, BM, BN, BK, GROUP_M, 1, B_KN)",  # 1st tile
 )
 
 

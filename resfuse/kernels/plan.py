@@ -6,7 +6,7 @@ past the first without Triton's JIT), `launch` (the same for a call site without
 `cached_launch`, `launch_or_refuse` (a plan whose config may not load here), `operand_strides` (each operand's
 [S, P, C] strides), `descriptor_operands` (the full operands a TMA family reads through tensor descriptors),
 `operand_args` (an epilogue's kernel arguments, from those two), `pdl_meta` (programmatic dependent launch's
-options) and `sm_count`.
+options), `prefetch_meta` (the weight prefetch's) and `sm_count`.
 """
 from __future__ import annotations
 
@@ -45,6 +45,18 @@ def pdl_meta(device: torch.device) -> dict:
     dependent launch on Hopper and later, when the option is on and the installed triton has it; else off."""
     on = options()["pdl"] and not options()["interpret"] and _pdl_supported(device)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+def prefetch_meta(device: torch.device) -> dict:
+    """A generated kernel's PREFETCH switch (codegen.Family.prefetch: its weight tile asked of L2 first): on
+    Hopper and later (bulk prefetches), when the option is on; never under the interpreter."""
+    on = options()["prefetch"] and not options()["interpret"] and _bulk_prefetch(device)
+    return {"PREFETCH": on}
+
+
+@functools.lru_cache(maxsize=None)
+def _bulk_prefetch(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 class Launcher:
@@ -119,7 +131,7 @@ class Plan:
                  out_box: tuple | None = None, pdl: bool = True):
         self.grid, self.head, self.ws_shape = grid, head, ws_shape
         self.row_blocks = row_blocks  # the mainloop's row_block count (codegen.Family): a bn_stats root's partials
-        self.meta = dict(meta, **(pdl_meta(device) if pdl else {"PDL": False}))
+        self.meta = dict(meta, **(pdl_meta(device) if pdl else {"PDL": False}), **prefetch_meta(device))
         self.kernel = Launcher(kernel, grid, self.meta)
         self.operand_strides = operand_strides  # None where the [S, P, C] view is not a view (a copy each call)
         self.prepare = prepare  # the inputs -> what the kernel takes for them (TMA descriptors), or None
@@ -220,7 +232,7 @@ def plan_key(*parts) -> tuple:
     aligned (what a tensor descriptor needs), the other parts as they are."""
     key = tuple((p.shape, p.stride(), p.dtype, p.device, p.data_ptr() % 16 == 0) if isinstance(p, torch.Tensor)
                 else p for p in parts)
-    return (*key, options()["pdl"], options()["tma_store"])
+    return (*key, options()["pdl"], options()["prefetch"], options()["tma_store"])
 
 
 def descriptor_operands(signature: str, operands, out_shape, channel_dim: int, m: int, n: int, box: list) -> dict:

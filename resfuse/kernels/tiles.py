@@ -2,7 +2,8 @@
 
 Entry points: `swizzle_tile(pid, tiles_m, tiles_n, GROUP_M)`, `k_range(pid_k, blocks, SPLIT_K)`, `mma` and `cdiv`,
 called by matmul.py and conv2d_fprop.py so that both families order their tiles and split their reduction the
-same way; `dependent_launch(PDL)`, every kernel's first statement (programmatic dependent launch).
+same way; `dependent_launch(PDL)`, every kernel's first statement (programmatic dependent launch), after
+`prefetch_rows`, a family's L2 prefetch of its weight tile where it has one (codegen.Family.prefetch).
 
 Kernels here use Triton builtins only, never triton.language.standard's @jit helpers (tl.cdiv, tl.sum, and
 since triton 3.7 tl.zeros: use tl.full): those are decorated when triton is first imported, so if that
@@ -28,6 +29,23 @@ def dependent_launch(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_rows(base, row0, n_rows, row_stride, k0, k1, ROWS: tl.constexpr):
+    """Ask L2 for elements [k0, k1) of rows row0 .. row0 + ROWS - 1 (those < n_rows) of the matrix at `base`
+    (rows `row_stride` elements apart): one bulk prefetch a row (Hopper's cp.async.bulk.prefetch.L2), widened
+    to 16-byte bounds. A hint: nothing waits for it or reads it into registers. A kernel issues it for its
+    weight tile before it waits for the previous kernel (dependent_launch): under programmatic dependent launch
+    the weights then stream from DRAM while that kernel runs, and at batch 1, where a conv's loop is as long as
+    the latency of its weight loads, its loads then meet L2. Compiled only (the interpreter has no PTX)."""
+    rows = row0 + tl.arange(0, ROWS)
+    start = (base + rows.to(tl.int64) * row_stride + k0).to(tl.int64)
+    end = start + (k1 - k0) * (base.dtype.element_ty.primitive_bitwidth // 8)
+    lo = start & -16
+    size = tl.where((rows < n_rows) & (k1 > k0), ((end + 15) & -16) - lo, 0).to(tl.int32)
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2;"
+                              " mov.u32 $0, 0; }", "=r,l,r", [lo, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

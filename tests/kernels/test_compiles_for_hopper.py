@@ -9,7 +9,8 @@ hook), records what each tuning candidate's launches would compile (tuning/preco
 workers do), and compiles one of each distinct kernel (tile sizes aside; split-K, TMA, persistent and store
 variants kept) with tuning/workers.compile_spec. The calls cover every kernel family the tuner offers for a fused
 conv, GEMM, chain and shortcut, each with an epilogue, and the image conv (bare, and cast from autocast's fp32),
-with programmatic dependent launch on, as on a Hopper GPU."""
+with programmatic dependent launch on, as on a Hopper GPU, and the weight prefetch of the families that have one
+in their PTX."""
 import os
 import subprocess
 import sys
@@ -63,14 +64,22 @@ kinds = {}
 for spec in specs:
     kinds.setdefault(kind(spec), spec)
 assert len(specs) > 50 and len(kinds) > 15, (len(specs), len(kinds))
-failed = []
+failed, prefetching = [], set()
+WEIGHTS = {"resfuse_conv2d_fprop", "resfuse_conv2d_tma", "resfuse_gemm_tma", "resfuse_gemm_tma_persistent"}
 for spec in kinds.values():
     try:
-        workers.compile_spec(spec)
+        ptx = workers.compiled(spec).asm["ptx"]
     except Exception as e:
         failed.append(f"{spec['name']} ({spec['module']}): {type(e).__name__}: {str(e)[:1500]}")
+        continue
+    names = list(spec["signature"])
+    consts = {names[i[0]]: v for i, v in spec["constants"].items()}
+    if spec["name"] in WEIGHTS and consts.get("PREFETCH") and not consts.get("B_KN"):
+        assert "cp.async.bulk.prefetch.L2.global" in ptx, spec["name"]  # the weight tile asked of L2
+        prefetching.add(spec["name"])
 print(f"compiled {len(kinds)} kernels of {len(specs)} launches")
 assert not failed, "\n".join(failed)
+assert prefetching == WEIGHTS, prefetching
 '''
 
 
