@@ -22,4 +22,4 @@ def install() -> None:
     driver.set_active(FakeHopper())
     from resfuse.kernels import plan
     plan._pdl_supported = lambda device: True  # the kernels' programmatic-dependent-launch branch, as on a Hopper GPU
-    plan._bulk_prefetch = lambda device: True  # and their weight prefetch (tiles.prefetch_rows)
+    plan.prefetch_meta = lambda device, programs: {"PREFETCH": True}  # and their weight prefetch, at any grid

@@ -124,7 +124,8 @@ if SPLIT_K > 1:
                      + _indent(tile_body))
     tile_body = "dependent_launch(PDL)  # programmatic dependent launch: wait for the producer\n" + tile_body
     if family.prefetch:
-        tile_body = f"if PREFETCH:  # the weight tile into L2 while the producer runs\n    {family.prefetch}\n" + tile_body
+        tile_body = (f"if PREFETCH:  # the weight tile into L2 while the producer runs\n    {family.prefetch}\n"
+                     + tile_body)
     param_lines = "\n".join(f"    {p}," for p in params)
     imports = ", ".join([family.mainloop, *([family.origin.split("(")[0]] if tma_slots or out_tma else []),
                          *([family.prefetch.split("(")[0]] if family.prefetch else [])])

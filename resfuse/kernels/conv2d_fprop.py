@@ -83,8 +83,9 @@ def conv2d_fprop_mainloop(x, w, NB, H, W, C, KO, OH, OW, R, S,
 def conv2d_prefetch(w, NB, C, KO, OH, OW, R, S, s_wk, s_wc, s_wr, s_ws, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, FLAT: tl.constexpr):
     """FAMILY's Family.prefetch: the weight rows (output channels) of this program's tile. A KRSC weight's split
-    asks for its own stretch of each row (krsc_range), any other layout for each row's whole span."""
-    _, tile_n = swizzle_tile(tl.program_id(0), cdiv(NB * OH * OW, BM), cdiv(KO, BN), GROUP_M)
+    asks for its own stretch of each row (krsc_range), any other layout for each row's whole span. Only the first
+    row of tiles asks (the others read the same rows)."""
+    tile_m, tile_n = swizzle_tile(tl.program_id(0), cdiv(NB * OH * OW, BM), cdiv(KO, BN), GROUP_M)
     span = (R - 1) * s_wr + (S - 1) * s_ws + (C - 1) * s_wc + 1
     k0 = span * 0
     k1 = span
@@ -97,7 +98,8 @@ def conv2d_prefetch(w, NB, C, KO, OH, OW, R, S, s_wk, s_wc, s_wr, s_ws, BM: tl.c
         krsc = (s_wc == 1) & (s_ws == C) & (s_wr == S * C)
         k0 = tl.where(krsc, part0, k0)
         k1 = tl.where(krsc, part1, k1)
-    prefetch_rows(w, tile_n * BN, KO, s_wk, k0, k1, BN)
+    if tile_m == 0:
+        prefetch_rows(w, tile_n * BN, KO, s_wk, k0, k1, BN)
 
 
 @triton.jit
@@ -106,6 +108,7 @@ def krsc_range(pid_k, C, R, S, BK: tl.constexpr, SPLIT_K: tl.constexpr):
     channels) with the channels innermost, as both conv mainloops walk them."""
     c_blocks = cdiv(C, BK)
     lo, hi = k_range(pid_k, R * S * c_blocks, SPLIT_K)
+    lo = tl.minimum(lo, hi)  # a trailing split past the last block: empty, [k1, k1)
     k0 = lo // c_blocks * C + tl.minimum(lo % c_blocks * BK, C)
     k1 = hi // c_blocks * C + tl.minimum(hi % c_blocks * BK, C)
     return k0, k1
@@ -115,11 +118,13 @@ def krsc_range(pid_k, C, R, S, BK: tl.constexpr, SPLIT_K: tl.constexpr):
 def conv2d_tma_prefetch(w_mat, NB, C, KO, OH, OW, R, S, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr):
     """TMA_FAMILY's Family.prefetch: this program's stretch (krsc_range) of its tile's rows of the dense KRSC
-    weight w_mat."""
+    weight w_mat, asked by the first row of tiles only."""
     IMGS: tl.constexpr = BM // (BH * BW)
-    _, tile_n = swizzle_tile(tl.program_id(0), cdiv(NB, IMGS) * cdiv(OH, BH) * cdiv(OW, BW), cdiv(KO, BN), GROUP_M)
-    k0, k1 = krsc_range(tl.program_id(2), C, R, S, BK, SPLIT_K)
-    prefetch_rows(w_mat, tile_n * BN, KO, R * S * C, k0, k1, BN)
+    tile_m, tile_n = swizzle_tile(tl.program_id(0), cdiv(NB, IMGS) * cdiv(OH, BH) * cdiv(OW, BW), cdiv(KO, BN),
+                                  GROUP_M)
+    if tile_m == 0:
+        k0, k1 = krsc_range(tl.program_id(2), C, R, S, BK, SPLIT_K)
+        prefetch_rows(w_mat, tile_n * BN, KO, R * S * C, k0, k1, BN)
 
 
 @triton.jit

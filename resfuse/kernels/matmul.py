@@ -113,11 +113,13 @@ def gemm_tma_tile(pid, pid_k, a_desc, b_desc, M, N, K, RPS, s_os, s_om,
 def gemm_tma_prefetch(pid, pid_k, b_mat, M, N, K, s_b, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, B_KN: tl.constexpr):
     """The TMA families' Family.prefetch: where B is the [N, K] weight of a linear layer or 1x1 conv, the BN rows
-    of tile `pid` over split pid_k's columns. A [K, N] B (a product of activations) is not prefetched."""
+    of tile `pid` over split pid_k's columns, asked by the first row of tiles only (the others read the same rows).
+    A [K, N] B (a product of activations) is not prefetched."""
     if not B_KN:
-        _, tile_n = swizzle_tile(pid, cdiv(M, BM), cdiv(N, BN), GROUP_M)
-        lo, hi = k_range(pid_k, cdiv(K, BK), SPLIT_K)
-        prefetch_rows(b_mat, tile_n * BN, N, s_b, lo * BK, tl.minimum(hi * BK, K), BN)
+        tile_m, tile_n = swizzle_tile(pid, cdiv(M, BM), cdiv(N, BN), GROUP_M)
+        if tile_m == 0:
+            lo, hi = k_range(pid_k, cdiv(K, BK), SPLIT_K)
+            prefetch_rows(b_mat, tile_n * BN, N, s_b, lo * BK, tl.minimum(hi * BK, K), BN)
 
 
 @triton.jit

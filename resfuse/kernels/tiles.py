@@ -39,13 +39,21 @@ def prefetch_rows(base, row0, n_rows, row_stride, k0, k1, ROWS: tl.constexpr):
     weight tile before it waits for the previous kernel (dependent_launch): under programmatic dependent launch
     the weights then stream from DRAM while that kernel runs, and at batch 1, where a conv's loop is as long as
     the latency of its weight loads, its loads then meet L2. Compiled only (the interpreter has no PTX)."""
+    lo, size = prefetch_bounds(base, row0, n_rows, row_stride, k0, k1, ROWS)
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2;"
+                              " mov.u32 $0, 0; }", "=r,l,r", [lo, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_bounds(base, row0, n_rows, row_stride, k0, k1, ROWS: tl.constexpr):
+    """prefetch_rows' bulk prefetches: each row's first byte address and byte count, 16-byte aligned and covering
+    its elements [k0, k1); a count of 0 for a row past n_rows or an empty range."""
     rows = row0 + tl.arange(0, ROWS)
     start = (base + rows.to(tl.int64) * row_stride + k0).to(tl.int64)
     end = start + (k1 - k0) * (base.dtype.element_ty.primitive_bitwidth // 8)
     lo = start & -16
     size = tl.where((rows < n_rows) & (k1 > k0), ((end + 15) & -16) - lo, 0).to(tl.int32)
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2;"
-                              " mov.u32 $0, 0; }", "=r,l,r", [lo, size], dtype=tl.int32, is_pure=False, pack=1)
+    return lo, size
 
 
 @triton.jit
