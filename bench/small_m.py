@@ -12,6 +12,11 @@ mainloop, as the tuner offers it for a stride-1 3x3 conv).
 fp16 channels_last; each variant checked against the fp32 conv, timed by CUDA-graph replay (the tuner's timer), us;
 rows printed as measured, all in DIR/small_m.json. Each variant's error is the larger of a check before and one
 after its timed replays.
+
+--cold also times each variant with its weights out of L2, as in a model whose weights outgrow L2 (ResNet-50's fp16
+weights are 51 MB, an H100's L2 50 MB): one graph calls it on a rotation of weight copies that together span three
+times the L2 (at most 400), the input the same in every call, as a model's previous kernel leaves it in L2. The
+tuner's timer keeps one weight in L2 (BENCHMARKS.md, forty-second session).
 """
 from __future__ import annotations
 
@@ -26,7 +31,27 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from resfuse import kernels  # noqa: E402
 from resfuse.kernels.conv2d_fprop import ConvConfig  # noqa: E402
-from resfuse.tuning.choose import _bench  # noqa: E402
+from resfuse.tuning.choose import _bench, _replay_s  # noqa: E402
+
+L2_BYTES = 50 * 2**20  # an H100's
+
+
+def cold_bench(run, w, retries: int = 5) -> tuple[float, int]:
+    """(seconds a call of run(weight), the copies used): one CUDA graph calls it once on each of enough copies of
+    `w` to span three L2s, so every call finds its weight in DRAM; the median of `retries` replays."""
+    from resfuse.kernels.split_k import graph_tickets
+
+    copies = [w.clone(memory_format=torch.preserve_format) for _ in range(min(400, max(2, 3 * L2_BYTES // (
+        w.numel() * w.element_size()) + 1)))]
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        run(copies[0])  # warm-up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with graph_tickets(stream.device), torch.cuda.graph(graph):
+            for c in copies:
+                run(c)
+        times = sorted(_replay_s(graph, 1) / len(copies) for _ in range(retries))
+    return times[len(times) // 2], len(copies)
 
 # (name, C, K, side, filter, stride): layer 4's 3x3 and 1x1 2048>512, layer 3's, layer 2's and layer 1's 3x3, and
 # the other 1x1 convs of layers 2-4
@@ -56,6 +81,7 @@ def main():
     p.add_argument("--zeroed-tickets", action="store_true",
                    help="each split launch zeroes a fresh ticket buffer, as before kept tickets (split_k.py): "
                         "what that launch costs")
+    p.add_argument("--cold", action="store_true", help="also time each variant with its weights out of L2")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     if args.zeroed_tickets:
@@ -75,7 +101,11 @@ def main():
         pad = r // 2
         ref = F.conv2d(x.float(), w.float(), None, stride, pad)
         out = torch.empty(ref.shape, device="cuda", dtype=torch.float16).contiguous(memory_format=cl)
-        rows.append({"case": name, "variant": "cudnn", "batch": args.batch, "us": _bench(lambda: F.conv2d(x, w, None, stride, pad)) * 1e6})
+        rows.append({"case": name, "variant": "cudnn", "batch": args.batch,
+                     "us": _bench(lambda: F.conv2d(x, w, None, stride, pad)) * 1e6})
+        if args.cold:
+            cold_s, copies = cold_bench(lambda wc: F.conv2d(x, wc, None, stride, pad), w)
+            rows[-1].update(cold_us=cold_s * 1e6, copies=copies)
         print(rows[-1], flush=True)
         for bm, bn, split, stages, warps in configs:
             big = bm * bn >= 128 * 128
@@ -83,7 +113,7 @@ def main():
                              stages or (3 if big or not args.tma else 4), tma=args.tma or r == 1)
             label = f"ours {bm}x{bn} split {split} stages {cfg.num_stages} warps {cfg.num_warps}"
 
-            def run(cfg=cfg):
+            def run(cfg=cfg, w=w):
                 kernels.conv2d(x, w, [], "acc", [stride] * 2, [pad] * 2, [1, 1], out, cfg)
             try:
                 out.fill_(float("nan"))
@@ -94,6 +124,9 @@ def main():
                 run()
                 again = ((out.float() - ref).norm() / ref.norm()).item()
                 rows.append({"case": name, "variant": label, "us": us, "rel_err": max(err, again)})
+                if args.cold:
+                    cold_s, copies = cold_bench(lambda wc, cfg=cfg: run(cfg, wc), w)
+                    rows[-1].update(cold_us=cold_s * 1e6, copies=copies)
             except Exception as e:  # noqa: BLE001 - a config that fails is a row
                 rows.append({"case": name, "variant": label, "error": str(e)[:200]})
             print(rows[-1], flush=True)
