@@ -51,7 +51,8 @@ def prefetch_meta(device: torch.device, programs: int) -> dict:
     """A generated kernel's PREFETCH switch (codegen.Family.prefetch: its weight tile asked of L2 first): on for a
     launch of at most one program an SM, whose time is its loop's latency (a conv at batch 1), on Hopper and later
     (bulk prefetches), when the option is on; never under the interpreter. On an H100 it took ResNet-50 bs1 from
-    0.270-0.271 to 0.266 ms; on every launch it cost BERT bs32 0.8%, whose GEMMs fill the GPU many times over."""
+    0.268-0.271 to 0.264-0.267 ms; asked on every launch, it cost BERT bs32 0.8%, whose GEMMs fill the GPU many
+    times over."""
     on = (options()["prefetch"] and not options()["interpret"] and _bulk_prefetch(device)
           and programs <= sm_count(device))
     return {"PREFETCH": on}
