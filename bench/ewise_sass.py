@@ -25,7 +25,7 @@ from resfuse.kernels import codegen  # noqa: E402
 from resfuse.kernels.elementwise import FAMILY  # noqa: E402
 
 SIG = "relu(add(acc,c0))"
-CONSTEXPRS = {"BM": 64, "BN": 128, "SPLIT_K": 1, "PDL": False}
+CONSTEXPRS = {"BM": 64, "BN": 128, "SPLIT_K": 1, "PDL": False, "PREFETCH": False}
 
 
 def compile_sm90(channels: int, kv: int, hw: int = 56 * 56, batch: int = 32):

@@ -105,7 +105,8 @@ def plans_pdl(state: str, what: str) -> None:
     def patched(self, kernel, grid, head, strides, meta, ws_shape, device, *rest, **kw):
         init(self, kernel, grid, head, strides, meta, ws_shape, device, *rest, **kw)
         if ws_shape[1] > 1 if what == "split" else what in kernel.__name__:
-            self.meta = dict(meta, **(plan.pdl_meta(device) if state == "on" else {"PDL": False}))
+            pdl = plan.pdl_meta(device) if state == "on" else {"PDL": False}
+            self.meta = {**{k: v for k, v in self.meta.items() if k != "launch_pdl"}, **pdl}  # PREFETCH kept
             self.kernel = plan.Launcher(kernel, grid, self.meta)
         print(f"plan {kernel.__name__} grid {grid} split {ws_shape[1]}: PDL {self.meta['PDL']}")
     plan.Plan.__init__ = patched

@@ -29,8 +29,9 @@ PARENT = textwrap.dedent('''
     kernel = codegen.load(FAMILY, "relu(add(acc,c0))")  # a generated module, imported by path
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(kernel.arg_names):  # as Triton specialises a launch: 16-divisible ints marked
-        if name in ("BM", "BN", "SPLIT_K", "PDL", "KV"):
-            sig[name], consts[(i,)] = "constexpr", {"BM": 64, "BN": 64, "SPLIT_K": 1, "PDL": False, "KV": 8}[name]
+        if name in ("BM", "BN", "SPLIT_K", "PDL", "PREFETCH", "KV"):
+            sig[name], consts[(i,)] = "constexpr", {"BM": 64, "BN": 64, "SPLIT_K": 1, "PDL": False, "PREFETCH": False,
+                                                    "KV": 8}[name]
         elif name in ("out", "src", "op0", "ws", "tickets"):
             sig[name] = {"ws": "*fp32", "tickets": "*i32"}.get(name, "*fp16")
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -82,8 +83,9 @@ PARENT = textwrap.dedent('''
         t16 = lambda n: torch.zeros(n, dtype=torch.float16)  # noqa: E731
         ints = [64, 72, 64, 64 * 72, 9, 1, 64 * 72, 9, 1]  # M, N, RPS, s_ss, s_sp, s_sc, s_os, s_op, s_oc
         args = [t16(4608), torch.zeros(1), torch.zeros(1, dtype=torch.int32), t16(4608), *ints, t16(72), 0, 0, 1]
-        assert len(args) == len(kernel.arg_names) - 5
-        launch = lambda: kernel[(1,)](*args, BM=64, BN=64, KV=8, SPLIT_K=1, PDL=False, num_warps=4)  # noqa: E731
+        assert len(args) == len(kernel.arg_names) - 6
+        launch = lambda: kernel[(1,)](*args, BM=64, BN=64, KV=8, SPLIT_K=1, PDL=False, PREFETCH=False,  # noqa: E731
+                                      num_warps=4)
         specs = precompile.record([launch, launch, lambda: 1 / 0])  # a repeat and a failure: one spec
         assert len(specs) == 1 and specs[0]["name"] == kernel.fn.__name__, specs
         assert specs[0]["target"] == target and specs[0]["constants"]
