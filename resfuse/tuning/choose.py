@@ -247,9 +247,10 @@ def _off_thread(device: torch.device, fn, *args, **kwargs):
 
 
 def fast_key(call: Call) -> tuple:
-    """What makes two calls in this process the same problem (versions cannot change; out holds the device).
-    Cheap: every fused call computes it (the SQLite key, `key`, queries the device)."""
-    return (call.op, call.signature, str(call.params), call.out,
+    """What makes two calls in this process the same problem (versions cannot change; out holds the device), under
+    the providers of the model making it (two compiled models may name different ones and run in turn). Cheap:
+    every fused call computes it (the SQLite key, `key`, queries the device)."""
+    return (call.op, call.signature, str(call.params), call.out, _SETTINGS["providers"],
             *[(t.shape, t.stride(), t.dtype) for t in (*call.inputs, *call.operands)])
 
 

@@ -401,6 +401,9 @@ def test_a_subset_of_providers_is_all_that_is_measured_and_keeps_its_own_cache_e
     ch.configure("fast", str(tmp_path), budget_s=600, providers=("triton",))
     n = len(measured)
     assert ch.choose(call).provider == "triton" and len(measured) == n  # read back from the subset's own entry
+    # a model compiled with every provider, called in turn (its settings entered, nothing forgotten): its own choice
+    ch.configure("fast", str(tmp_path), budget_s=600, new_compile=False)
+    assert ch.choose(call).provider == "aten" and len(measured) == n
 
 
 def test_config_refuses_an_unknown_provider():
