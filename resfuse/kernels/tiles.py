@@ -37,8 +37,8 @@ def prefetch_rows(base, row0, n_rows, row_stride, k0, k1, ROWS: tl.constexpr):
     (rows `row_stride` elements apart): one bulk prefetch a row (Hopper's cp.async.bulk.prefetch.L2), widened
     to 16-byte bounds. A hint: nothing waits for it or reads it into registers. A kernel issues it for its
     weight tile before it waits for the previous kernel (dependent_launch): under programmatic dependent launch
-    the weights then stream from DRAM while that kernel runs, and at batch 1, where a conv's loop is as long as
-    the latency of its weight loads, its loads then meet L2. Compiled only (the interpreter has no PTX)."""
+    the weights then stream from DRAM while that kernel runs, and its loads meet L2 (a few tenths of a us a conv at
+    ResNet-50 bs1 on an H100: BENCHMARKS.md, forty-second session). Compiled only (the interpreter has no PTX)."""
     lo, size = prefetch_bounds(base, row0, n_rows, row_stride, k0, k1, ROWS)
     tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2;"
                               " mov.u32 $0, 0; }", "=r,l,r", [lo, size], dtype=tl.int32, is_pure=False, pack=1)
