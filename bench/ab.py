@@ -10,7 +10,8 @@ switches only. fp16, channels_last, CUDA-event medians over rotated inputs (resf
 eager. A peer may be named more than once (off,on,off,on): each run is its own row. A table prints last, its columns
 numbered in the order of --peers; the JSON goes to --out (ab.json), each job's peers a list in that order. With
 --autocast the model keeps fp32 weights and each peer runs it under torch.autocast (fp16), as mixed-precision
-inference does: the errors are then against eager under autocast.
+inference does: the errors are then against eager under autocast. With --profile each peer's kernels are profiled
+too (torch.profiler, per call): the busy time and launches print under the table, every kernel goes to the JSON.
 """
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ def variant(peer: str):
     return lambda m: resfuse.compile(m, guard_filter_fn=guard_filter, **options)
 
 
-def run_job(name: str, batch: int, peers: list[str], iters: int, autocast: bool = False) -> dict:
+def run_job(name: str, batch: int, peers: list[str], iters: int, autocast: bool = False,
+            profile: bool = False) -> dict:
     device = torch.device("cuda")
     torch.backends.cudnn.benchmark = True
     model, inputs = models.load(name, batch, torch.float32 if autocast else torch.float16, device, image_size=224,
@@ -86,6 +88,10 @@ def run_job(name: str, batch: int, peers: list[str], iters: int, autocast: bool 
             rows.append({"peer": peer, "ms": m.latency.median_ms, "first_s": m.first_s, "rel_err": m.rel_err,
                          "notes": list(report.notes) if report else [],
                          "errors": list(report.errors) if report else []})
+            if profile:  # the device's busy time a call beside its latency: the rest is the gaps between kernels
+                kernels = timing.kernels(fn, sets, device)
+                rows[-1].update(busy_us=sum(k["time_us"] for k in kernels),
+                                launches=sum(k["calls"] for k in kernels), kernels=kernels)
         except Exception as e:  # one peer failing must not hide the others
             traceback.print_exc()
             rows.append({"peer": peer, "error": f"{type(e).__name__}: {str(e)[:300]}"})
@@ -103,6 +109,8 @@ def main():
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--budget-s", type=float, default=540)
     p.add_argument("--autocast", action="store_true", help="fp32 weights, each peer under torch.autocast (fp16)")
+    p.add_argument("--profile", action="store_true",
+                   help="each peer's kernels under torch.profiler (busy_us, launches, kernels in the JSON)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     peers = [s for s in args.peers.split(",") if s]
@@ -114,7 +122,7 @@ def main():
             print(f"budget spent: skipped {item}")
             continue
         name, _, batch = item.rpartition(":")
-        results.append(run_job(name, int(batch), peers, args.iters, args.autocast))
+        results.append(run_job(name, int(batch), peers, args.iters, args.autocast, args.profile))
         Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "ab.json").write_text(json.dumps(results, indent=1))
     print("\n" + "\n".join(f"#{i + 1}: {peer}" for i, peer in enumerate(peers)))
@@ -123,6 +131,9 @@ def main():
         cells = r["peers"]
         print(f"{r['model'] + ':' + str(r['batch']):24s}" + "".join(
             f"{c['ms']:>14.3f} ({c['rel_err']:.0e})" if "ms" in c else f"{'error':>24s}" for c in cells))
+        if args.profile:
+            print(f"{'  busy us (launches)':24s}" + "".join(
+                f"{c['busy_us']:>16.1f} ({c['launches']:>4d})" if "busy_us" in c else f"{'':>24s}" for c in cells))
 
 
 if __name__ == "__main__":
