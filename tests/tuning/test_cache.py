@@ -41,6 +41,17 @@ def test_force_retune_replaces_and_plain_put_keeps(cache):
     assert cache.get(KEY) == newer and len(cache.entries()) == 1
 
 
+def test_a_put_that_fails_midway_writes_nothing_and_holds_no_lock(cache, monkeypatch):
+    """put's BEGIN IMMEDIATE is rolled back by the connection's context manager when the write fails (a config that
+    JSON cannot encode): no row, and the next writer does not wait on a lock."""
+    bad = Entry("triton", {"block_m": object()}, {})
+    with pytest.raises(TypeError) as failed:  # its traceback keeps put's connection open
+        cache.put(KEY, bad)
+    cache.timeout_s = 0.1  # a transaction left open on that connection would make this put wait, then fail
+    assert cache.get(KEY) is None and cache.put(KEY, ENTRY) and cache.get(KEY) == ENTRY
+    assert failed.value is not None
+
+
 def checked(cache, key, machine):
     entry, was_checked = cache.lookup(key, machine)
     assert entry == cache.get(key)  # lookup reads the entry get reads, with its check, in one connection
