@@ -41,7 +41,7 @@ def test_force_retune_replaces_and_plain_put_keeps(cache):
     assert cache.get(KEY) == newer and len(cache.entries()) == 1
 
 
-def test_a_put_that_fails_midway_writes_nothing_and_holds_no_lock(cache, monkeypatch):
+def test_a_put_that_fails_midway_writes_nothing_and_holds_no_lock(cache):
     """put's BEGIN IMMEDIATE is rolled back by the connection's context manager when the write fails (a config that
     JSON cannot encode): no row, and the next writer does not wait on a lock."""
     bad = Entry("triton", {"block_m": object()}, {})
