@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from .. import epilogue as epi, providers
+from ..config import PROVIDERS as ALL_PROVIDERS  # whose candidates a tuning may measure (Config.providers)
 from ..kernels import codegen
 from ..ops.fused import Output
 from . import precompile, select, space
@@ -68,7 +69,6 @@ HEURISTIC = Choice("triton", None)
 UNTUNED = Choice("epilogue", None)  # cuDNN/cuBLAS + our epilogue kernel: no config to guess, never worse than ATen's
 #                                     unfused ops in traffic; what runs once a compile's tuning budget is spent
 UNFUSED = Choice("aten", None)
-ALL_PROVIDERS = ("triton", "cudnn", "epilogue", "aten")  # config.PROVIDERS: whose candidates a tuning may measure
 _SETTINGS = {"level": "fast", "cache_dir": None, "budget_s": 120.0, "force": False, "providers": ALL_PROVIDERS}
 _STATE = {"spent_s": 0.0, "cache": None}
 _CHOICES: dict[str, Choice] = {}
@@ -77,16 +77,16 @@ _CHOICES: dict[str, Choice] = {}
 def configure(level: str, cache_dir: str, budget_s: float, force: bool = False, new_compile: bool = True,
               providers: tuple[str, ...] = ALL_PROVIDERS) -> None:
     """Settings for the ops that run from now on. A new compile gets the whole wall-clock budget again, and forgets
-    the ops it ran untuned for want of budget, and (another cache, other providers, or a forced re-tune) the
-    choices made so far. A
+    the ops it ran untuned for want of budget, and (another cache, or a forced re-tune) the choices made so far. A
     compiled model's graphs switching back to their own settings (capture/backend.Settings: new_compile=False) keep
-    all of that, so that two models called in turn neither tune again nor reset each other's budget."""
+    all of that, so that two models called in turn neither tune again nor reset each other's budget. Choices under
+    other `providers` are apart already: fast_key holds them."""
     if new_compile:
         _STATE["spent_s"] = 0.0
         for k in [k for k, c in _CHOICES.items() if c == UNTUNED]:
             del _CHOICES[k]
-        if cache_dir != _SETTINGS["cache_dir"] or tuple(providers) != _SETTINGS["providers"]:
-            _CHOICES.clear()  # another cache or providers: the choices made so far are not its own
+        if cache_dir != _SETTINGS["cache_dir"]:
+            _CHOICES.clear()  # another cache: the choices read from or tuned into the last one are not its own
         if force and not _SETTINGS["force"]:
             _CHOICES.clear()  # a forced re-tune measures again what this process already chose
     if cache_dir != _SETTINGS["cache_dir"]:
