@@ -138,13 +138,16 @@ def _tma_plan(as_matrices, inputs, operands, signature, out, channel_dim, cfg, s
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     b_box = [bk, bn] if b_kn else [bn, bk]
 
+    def b_matrix(b):  # the matrix B's descriptor reads: B itself, or the [N, K] matrix B is a view of
+        return b if b_kn else b.t()
+
     def descriptors(*inputs):  # and B's matrix itself, for the weight prefetch (matmul.gemm_tma_prefetch)
         a, b = as_matrices(*inputs)
-        b_mat = b if b_kn else b.t()
+        b_mat = b_matrix(b)
         return TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b_mat, b_box), b_mat
 
     rps, s_os, s_om, s_on = out_view
-    s_b = (b if b_kn else b.t()).stride(0)
+    s_b = b_matrix(b).stride(0)
     meta = dict(BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, SPLIT_K=split, B_KN=b_kn,
                 PRECISION=_precision(a.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     strides = operand_strides(signature, operands, out.shape, channel_dim)
