@@ -11,7 +11,8 @@ eager. A peer may be named more than once (off,on,off,on): each run is its own r
 numbered in the order of --peers; the JSON goes to --out (ab.json), each job's peers a list in that order. With
 --autocast the model keeps fp32 weights and each peer runs it under torch.autocast (fp16), as mixed-precision
 inference does: the errors are then against eager under autocast. With --profile each peer's kernels are profiled
-too (torch.profiler, per call): the busy time and launches print under the table, every kernel goes to the JSON.
+too (torch.profiler, per call): the busy time and launches print under the table; every kernel, and one call's
+timeline (launch order, starts, durations), go to the JSON.
 """
 from __future__ import annotations
 
@@ -91,11 +92,13 @@ def run_job(name: str, batch: int, peers: list[str], iters: int, autocast: bool 
             if profile:  # the device's busy time a call beside its latency: the rest is the gaps between kernels
                 kernels = timing.kernels(fn, sets, device)
                 rows[-1].update(busy_us=sum(k["time_us"] for k in kernels),
-                                launches=sum(k["calls"] for k in kernels), kernels=kernels)
+                                launches=sum(k["calls"] for k in kernels), kernels=kernels,
+                                timeline=timing.timeline(fn, sets, device))
         except Exception as e:  # one peer failing must not hide the others
             traceback.print_exc()
             rows.append({"peer": peer, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-        print(f"{name}:{batch} {peer}: {rows[-1]}", flush=True)
+        print(f"{name}:{batch} {peer}: { {k: v for k, v in rows[-1].items() if k not in ('kernels', 'timeline')} }",
+              flush=True)
         del fn
         torch.cuda.empty_cache()
     return {"model": name, "batch": batch, "autocast": autocast, "device": torch.cuda.get_device_name(),
