@@ -7,8 +7,8 @@ weights outgrow L2: bench/small_m.py's --cold).
   python bench/pooled_head.py [--heads rn50,rn18,effb0,regnety] [--batches 1,2,8] [--sweep] [--out DIR]
 
 fp16; x channels_last. Each case times kernels/pooled_matmul.fast_configs (the default among them), and with
---sweep also the product SWEEP with the default's block_m (about 190 compiles a case). Rows print as measured; all go to DIR/pooled_head.json,
-and a table of each case's best per form prints last.
+--sweep also the product SWEEP with the default's block_m (about 190 compiles a case). Rows print as measured;
+all go to DIR/pooled_head.json, and a table of each case's best per form prints last.
 """
 from __future__ import annotations
 
