@@ -1,6 +1,6 @@
 """Where a CUDA-graph replay's time goes when it is not in kernels (GPU machine).
 
-  python3 bench/replay_gaps.py [--model mobilenet_v3_large efficientnet_b0] [--batch 1] --out $OUT
+  python3 bench/replay_gaps.py [--model mobilenet_v3_large efficientnet_b0] [--batch 1] [--guards] --out $OUT
 
 For each model (fp16, channels_last, eval): resfuse's default (inference graphs replayed) and torch.compile
 reduce-overhead. Per peer it prints the CUDA-event latency (the harness's timer), the host's time per call
@@ -159,17 +159,22 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", nargs="+", default=["mobilenet_v3_large", "efficientnet_b0"])
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--guards", action="store_true",
+                   help="also resfuse with torch.compiler.skip_guard_on_all_nn_modules_unsafe (peer resfuse+filter)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     torch.backends.cudnn.benchmark = True
+    peers = ("reduce-overhead", "resfuse") + (("resfuse+filter",) if args.guards else ())
     rows = []
     for name in args.model:
         model, (x,) = models.load(name, args.batch, torch.float16, "cuda")
         with torch.no_grad():
             ref = model(x).float()
-        for peer in ("reduce-overhead", "resfuse"):
+        for peer in peers:
             torch._dynamo.reset()
-            fn = torch.compile(model, mode=peer) if peer == "reduce-overhead" else resfuse.compile(model)
+            fn = (torch.compile(model, mode=peer) if peer == "reduce-overhead" else resfuse.compile(model)
+                  if peer == "resfuse" else resfuse.compile(
+                      model, guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe))
             with torch.no_grad():
                 for _ in range(3):
                     out = fn(x)
@@ -192,7 +197,7 @@ def main():
                   f"{busy:.1f} us/call over a span of {span:.1f} us/call, rel err {err:.1e}; longest gaps:")
             for us, before, after in holes:
                 print(f"  {us:8.1f} us  after {before}  before {after}")
-            if peer == "resfuse":
+            if peer.startswith("resfuse"):
                 print("host us per step of CudaGraphed's call:", step_us())
                 print("host us of a whole call, split at CudaGraphed's:", split_us(fn, x))
                 gc.disable()
