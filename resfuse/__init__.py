@@ -39,8 +39,9 @@ def compile(model: torch.nn.Module, *, dynamic: bool | None = None, guard_filter
     torch.compiler.skip_guard_on_all_nn_modules_unsafe drops the guards on the model's modules and parameters
     (HF ResNet-50: 481 -> 53 us a call on a 2-core CPU host, 251 -> 87 on an H100 machine's, bench/guard_time.py).
     That is host time, and latency only where the host sets the pace: ResNet-50 bs1 under CUDA graphs on an H100
-    was no faster with it where the GPU did, and 0.587 -> 0.315 ms on a slower host. Unsafe, as its name says: a change to the model after compiling (model.train(), a replaced
-    layer) is then not seen, and the stale graph runs."""
+    was no faster with it where the GPU did, and 0.587 -> 0.315 ms on a slower host. Unsafe, as its name says: a
+    change to the model after compiling (model.train(), a replaced layer) is then not seen, and the stale graph
+    runs."""
     from .capture.backend import make_backend
 
     cfg = Config.from_env(**config)
