@@ -67,6 +67,26 @@ def variant(peer: str):
     return lambda m: resfuse.compile(m, guard_filter_fn=guard_filter, **options)
 
 
+def timeline(fn, sets: list[tuple], device: torch.device, iters: int = 3) -> list[dict]:
+    """The kernels of one call (the last of `iters` profiled) in launch order: name, start (us from the call's
+    first kernel), duration (us). Two peers' timelines side by side show which launch, or which gap, differs."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(iters):
+            fn(*sets[i % len(sets)])
+            torch.cuda.synchronize(device)
+    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and e.time_range.elapsed_us() > 0),
+                    key=lambda e: e.time_range.start)
+    per_call, left = divmod(len(events), iters)
+    if per_call == 0 or left:
+        return []  # calls of unequal launch counts: no one call to show
+    last = events[-per_call:]
+    t0 = last[0].time_range.start
+    return [{"name": e.name, "start_us": e.time_range.start - t0, "us": e.time_range.elapsed_us()} for e in last]
+
+
 def run_job(name: str, batch: int, peers: list[str], iters: int, autocast: bool = False,
             profile: bool = False) -> dict:
     device = torch.device("cuda")
@@ -93,7 +113,7 @@ def run_job(name: str, batch: int, peers: list[str], iters: int, autocast: bool 
                 kernels = timing.kernels(fn, sets, device)
                 rows[-1].update(busy_us=sum(k["time_us"] for k in kernels),
                                 launches=sum(k["calls"] for k in kernels), kernels=kernels,
-                                timeline=timing.timeline(fn, sets, device))
+                                timeline=timeline(fn, sets, device))
         except Exception as e:  # one peer failing must not hide the others
             traceback.print_exc()
             rows.append({"peer": peer, "error": f"{type(e).__name__}: {str(e)[:300]}"})

@@ -1,7 +1,7 @@
 """How one peer is measured: first-call time, steady-state latency, numerics against eager, top kernels.
 
 Entry points: `input_sets`, then for each peer `measure` (`first_call`, `output_error`, `latency`, and the
-error of a timed call), and with --profile `kernels` (and bench/ab.py's `timeline`). run.py and bench/ab.py call them.
+error of a timed call), and with --profile `kernels`. run.py and bench/ab.py call them.
 
 Latency on CUDA is timed with CUDA events around each call, after a warm-up, as the median of many calls;
 the inputs rotate among several preallocated sets so that no call finds its input already in L2 from the
@@ -178,22 +178,3 @@ def kernels(fn: Callable, sets: list[tuple], device: torch.device, iters: int = 
         r["share"] = r["time_us"] / total
     return rows
 
-
-def timeline(fn: Callable, sets: list[tuple], device: torch.device, iters: int = 3) -> list[dict]:
-    """The kernels of one call (the last of `iters` profiled) in launch order: name, start (us from the call's
-    first kernel), duration (us). Two peers' timelines side by side show which launch, or which gap, differs."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for i in range(iters):
-            fn(*sets[i % len(sets)])
-            _sync(device)
-    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and e.time_range.elapsed_us() > 0),
-                    key=lambda e: e.time_range.start)
-    per_call, left = divmod(len(events), iters)
-    if per_call == 0 or left:
-        return []  # calls of unequal launch counts: no one call to show
-    last = events[-per_call:]
-    t0 = last[0].time_range.start
-    return [{"name": e.name, "start_us": e.time_range.start - t0, "us": e.time_range.elapsed_us()} for e in last]
