@@ -177,4 +177,3 @@ def kernels(fn: Callable, sets: list[tuple], device: torch.device, iters: int = 
     for r in rows:
         r["share"] = r["time_us"] / total
     return rows
-
