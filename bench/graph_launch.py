@@ -5,7 +5,10 @@
 A graph replay costs the host time in cudaGraphLaunch, which grows with the graph's nodes. For each kind of
 launch a resfuse graph holds (ATen's kernels, cuBLAS, our Triton kernels with and without TMA descriptors, our
 depthwise kernel, a cuDNN fused-conv plan, an Inductor kernel), this captures 100 launches of it in one graph
-and times graph.replay() on the host. bs1 MobileNet shapes (fp16, channels_last). Prints us per node.
+and times graph.replay() on the host. Our kernels launch under programmatic dependent launch by default; each also
+runs with it off, to see whether PDL's graph edges cost the host (the forty-third session timed a ResNet-50 bs1
+replay at 36-148 us of host, ten times the per-node cost measured here before PDL). bs1 MobileNet shapes (fp16,
+channels_last). Prints us per node.
 """
 import argparse
 import json
@@ -51,6 +54,17 @@ def replay_host_us(launch, replays: int = 50) -> tuple[float, float]:
     return sorted(host)[replays // 2] / NODES * 1e6, start.elapsed_time(end) * 1e3 / replays / NODES
 
 
+def without_pdl(launch):
+    """launch() with programmatic dependent launch off: its graph nodes get no programmatic edges."""
+    def run():
+        kernels.set_options(pdl=False)
+        try:
+            launch()
+        finally:
+            kernels.set_options(pdl=True)
+    return run
+
+
 def cases():
     dev, h = "cuda", torch.float16
     a, b = torch.randn(196, 80, device=dev, dtype=h), torch.randn(80, 480, device=dev, dtype=h)
@@ -77,6 +91,8 @@ def cases():
                                                     [1, 1], out_dw, DepthwiseConfig(4, 8, 32, 2)),
         "cuDNN fused plan": lambda: cudnn.run(call, y),
     }
+    for name in ("resfuse gemm", "resfuse gemm TMA", "resfuse depthwise"):  # PDL is on by default (plan.pdl_meta)
+        kinds[f"{name}, PDL off"] = without_pdl(kinds[name])
     mixed = list(kinds.values())
     kinds["all of them, in turn"] = lambda: [launch() for launch in mixed]  # NODES rounds of each
     return kinds
