@@ -57,11 +57,12 @@ def replay_host_us(launch, replays: int = 50) -> tuple[float, float]:
 def without_pdl(launch):
     """launch() with programmatic dependent launch off: its graph nodes get no programmatic edges."""
     def run():
+        before = kernels.options()["pdl"]
         kernels.set_options(pdl=False)
         try:
             launch()
         finally:
-            kernels.set_options(pdl=True)
+            kernels.set_options(pdl=before)
     return run
 
 

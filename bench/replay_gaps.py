@@ -164,17 +164,18 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     torch.backends.cudnn.benchmark = True
-    peers = ("reduce-overhead", "resfuse") + (("resfuse+filter",) if args.guards else ())
+    makers = {"reduce-overhead": lambda m: torch.compile(m, mode="reduce-overhead"), "resfuse": resfuse.compile}
+    if args.guards:
+        makers["resfuse+filter"] = lambda m: resfuse.compile(
+            m, guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe)
     rows = []
     for name in args.model:
         model, (x,) = models.load(name, args.batch, torch.float16, "cuda")
         with torch.no_grad():
             ref = model(x).float()
-        for peer in peers:
+        for peer, make in makers.items():
             torch._dynamo.reset()
-            fn = (torch.compile(model, mode=peer) if peer == "reduce-overhead" else resfuse.compile(model)
-                  if peer == "resfuse" else resfuse.compile(
-                      model, guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe))
+            fn = make(model)
             with torch.no_grad():
                 for _ in range(3):
                     out = fn(x)
