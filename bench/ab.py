@@ -8,11 +8,12 @@ guards=skip_guard_on_all_nn_modules_unsafe). Per (model, batch), in one process,
 resfuse variant tunes (fresh cache or not) and the later ones read its tuning choices, so variants differ in their
 switches only. fp16, channels_last, CUDA-event medians over rotated inputs (resfuse.bench.timing), errors against
 eager. A peer may be named more than once (off,on,off,on): each run is its own row. A table prints last, its columns
-numbered in the order of --peers; the JSON goes to --out (ab.json), each job's peers a list in that order. With
---autocast the model keeps fp32 weights and each peer runs it under torch.autocast (fp16), as mixed-precision
-inference does: the errors are then against eager under autocast. With --profile each peer's kernels are profiled
-too (torch.profiler, per call): the busy time and launches print under the table; every kernel, and one call's
-timeline (launch order, starts, durations), go to the JSON.
+numbered in the order of --peers, each job's latencies (ms, relative error) over the host's time a call (us, each
+call started on an idle GPU: where it passes the GPU's time, the host sets the pace); the JSON goes to --out
+(ab.json), each job's peers a list in that order. With --autocast the model keeps fp32 weights and each peer runs it
+under torch.autocast (fp16), as mixed-precision inference does: the errors are then against eager under autocast.
+With --profile each peer's kernels are profiled too (torch.profiler, per call): the busy time and launches print
+under the table; every kernel, and one call's timeline (launch order, starts, durations), go to the JSON.
 """
 from __future__ import annotations
 
@@ -107,6 +108,7 @@ def run_job(name: str, batch: int, peers: list[str], iters: int, autocast: bool 
             m = timing.measure(fn, sets, refs, late_refs, device, iters)
             report = getattr(fn, "resfuse_report", None)
             rows.append({"peer": peer, "ms": m.latency.median_ms, "first_s": m.first_s, "rel_err": m.rel_err,
+                         "host_us": timing.host_us(fn, sets[0], device),
                          "notes": list(report.notes) if report else [],
                          "errors": list(report.errors) if report else []})
             if profile:  # the device's busy time a call beside its latency: the rest is the gaps between kernels
@@ -154,6 +156,7 @@ def main():
         cells = r["peers"]
         print(f"{r['model'] + ':' + str(r['batch']):24s}" + "".join(
             f"{c['ms']:>14.3f} ({c['rel_err']:.0e})" if "ms" in c else f"{'error':>24s}" for c in cells))
+        print(f"{'  host us a call':24s}" + "".join(f"{c.get('host_us', float('nan')):>24.1f}" for c in cells))
         if args.profile:
             print(f"{'  busy us (launches)':24s}" + "".join(
                 f"{c['busy_us']:>16.1f} ({c['launches']:>4d})" if "busy_us" in c else f"{'':>24s}" for c in cells))

@@ -30,19 +30,6 @@ from resfuse.bench import models, timing  # noqa: E402
 from resfuse.capture.cuda_graphs import CudaGraphed  # noqa: E402
 
 
-def host_us(fn, x, calls=50) -> float:
-    """Median host time of one call, the GPU idle when it starts (a sync before each call, outside the
-    timing): a deep launch queue would otherwise block the host on the GPU and time the GPU instead."""
-    times = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn(x)
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return sorted(times)[len(times) // 2] * 1e6
-
-
 def split_us(fn, x, calls=50) -> dict:
     """Median host us of one whole call split at CudaGraphed's own call: before it (Dynamo's guards and
     aot_autograd's wrappers on the way in), inside it (check, copies, fold refresh, replay, output copies), and
@@ -95,7 +82,8 @@ def step_us(calls=50) -> dict:
     print("replays:", cap.replays(args), "C++ address check:",
           getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None) is not None, cuda_graphs.__file__)
     steps = {"whole call": lambda: graphed(list(args)), "check": lambda: cap.replays(args),
-             "check: ids, as before": lambda: _masked(list(map(id, args)), cap.not_fixed) == list(map(id, cap.fixed_objs)),
+             "check: ids, as before": lambda: (_masked(list(map(id, args)), cap.not_fixed)
+                                               == list(map(id, cap.fixed_objs))),
              "check: objects": lambda: all(map(operator.is_, _masked(args, cap.not_fixed), cap.fixed_objs)),
              "check: addresses": lambda: same_addresses(args, cap.fixed_ptrs, cap.fixed_idx),
              "check: addresses, Python": lambda: all(args[i].data_ptr() == cap.fixed_ptrs[i] for i in cap.fixed_idx),
@@ -103,7 +91,7 @@ def step_us(calls=50) -> dict:
              "copy in": lambda: [cap.static[i].copy_(args[i]) for i in cap.copied],
              "fold refresh": (cap.folds.refresh if cap.folds else lambda: None),
              "replay": cap.graph.replay, "copy out": lambda: [o.clone() for o in cap.outputs]}
-    return {name: round(host_us(lambda _: step(), None, calls), 1) for name, step in steps.items()} | {
+    return {name: round(timing.host_us(step, (), torch.device("cuda"), calls), 1) for name, step in steps.items()} | {
         "inputs": len(args), "outputs": len(cap.outputs)}
 
 
@@ -181,7 +169,7 @@ def main():
                     out = fn(x)
                 err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
                 lat = timing.latency(fn, [(x,)], x.device, 50, warmup=5).median_ms * 1e3
-                host = host_us(fn, x)
+                host = timing.host_us(fn, (x,), x.device)
                 path = os.path.join(args.out, f"trace_{name}_bs{args.batch}_{peer}.json")
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                         torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -203,7 +191,8 @@ def main():
                 print("host us of a whole call, split at CudaGraphed's:", split_us(fn, x))
                 gc.disable()
                 with torch.no_grad():
-                    print(f"host us per call without Python's garbage collector: {host_us(fn, x):.1f}")
+                    bare = timing.host_us(fn, (x,), x.device)
+                    print(f"host us per call without Python's garbage collector: {bare:.1f}")
                 gc.enable()
             print("garbage collector:", gc_census(fn, x))
             print(host_profile(fn, x))

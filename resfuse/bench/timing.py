@@ -142,6 +142,22 @@ def measure(fn: Callable, sets: list[tuple], refs: list[torch.Tensor], late_refs
     return Measured(first_s, outs, first_err, output_error(run_once(fn, sets[-1]), late_refs), lat)
 
 
+def host_us(fn: Callable, inputs: tuple, device: torch.device, calls: int = 50) -> float:
+    """Median host time of one call in us, the GPU idle when each starts (a sync before each call, outside the
+    timing): a deep launch queue would otherwise block the host on the GPU and time the GPU instead. Beside the
+    latency it tells whether the host sets the pace: back to back, a call whose host time passes its GPU time
+    runs at the host's."""
+    times = []
+    with torch.no_grad():
+        for _ in range(calls):
+            _sync(device)
+            t0 = time.perf_counter()
+            fn(*inputs)
+            times.append(time.perf_counter() - t0)
+    _sync(device)
+    return sorted(times)[len(times) // 2] * 1e6
+
+
 def _cuda_event_times(fn: Callable, sets: list[tuple], iters: int) -> list[float]:
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]

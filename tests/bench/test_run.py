@@ -4,6 +4,7 @@ import copy
 import json
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -196,3 +197,17 @@ def test_a_bf16_run_reports_each_peers_error_against_fp32(tmp_path):
     assert 0 < result["eager_fp32_rel_err"] < 5e-2 and eager["fp32_rel_err"] == result["eager_fp32_rel_err"]
     assert 0 < ours["fp32_rel_err"] < 5e-2 and ours["err_bound"] >= 2 * result["eager_fp32_rel_err"]
     assert "err vs fp32" in [c.header for c in report.table(result).columns]
+
+
+def test_host_us_is_the_median_of_one_call_each():
+    """One slow call in nine does not move the median; the time is per call, in us."""
+    waits = iter([0.02] + [0.002] * 8)
+    calls = []
+
+    def fn(x):
+        calls.append(x)
+        time.sleep(next(waits))
+
+    us = timing.host_us(fn, ("input",), torch.device("cpu"), calls=9)
+    assert calls == ["input"] * 9
+    assert 2000 <= us < 15000
