@@ -3,17 +3,18 @@
 Entry point: `python bench/ab.py [--jobs mobilenet_v3_large:32,...] [--peers "reduce-overhead,rf+graphs
 remainder=eager,rf+graphs"] [--out DIR]`. A peer is a torch.compile mode (eager, compile, reduce-overhead) or `rf` /
 `rf+graphs` (resfuse.compile, with cuda_graphs=True for the latter) followed by space-separated `option=value`
-Config overrides; `guards=NAME` gives any peer but eager a torch.compiler guard filter (reduce-overhead
-guards=skip_guard_on_all_nn_modules_unsafe). Per (model, batch), in one process, in the order given: the first
-resfuse variant tunes (fresh cache or not) and the later ones read its tuning choices, so variants differ in their
-switches only. fp16, channels_last, CUDA-event medians over rotated inputs (resfuse.bench.timing), errors against
-eager. A peer may be named more than once (off,on,off,on): each run is its own row. A table prints last, its columns
-numbered in the order of --peers, each job's latencies (ms, relative error) over the host's time a call (us, each
-call started on an idle GPU: where it passes the GPU's time, the host sets the pace); the JSON goes to --out
-(ab.json), each job's peers a list in that order. With --autocast the model keeps fp32 weights and each peer runs it
-under torch.autocast (fp16), as mixed-precision inference does: the errors are then against eager under autocast.
-With --profile each peer's kernels are profiled too (torch.profiler, per call): the busy time and launches print
-under the table; every kernel, and one call's timeline (launch order, starts, durations), go to the JSON.
+Config overrides (and `handouts=N`, CudaGraphed.HANDOUTS: 0 copies every output after the replay); `guards=NAME`
+gives any peer but eager a torch.compiler guard filter (reduce-overhead guards=skip_guard_on_all_nn_modules_unsafe).
+Per (model, batch), in one process, in the order given: the first resfuse variant tunes (fresh cache or not) and the
+later ones read its tuning choices, so variants differ in their switches only. fp16, channels_last, CUDA-event
+medians over rotated inputs (resfuse.bench.timing), errors against eager. A peer may be named more than once
+(off,on,off,on): each run is its own row. A table prints last, its columns numbered in the order of --peers, each
+job's latencies (ms, relative error) over the host's time a call (us, each call started on an idle GPU: where it
+passes the GPU's time, the host sets the pace); the JSON goes to --out (ab.json), each job's peers a list in that
+order. With --autocast the model keeps fp32 weights and each peer runs it under torch.autocast (fp16), as
+mixed-precision inference does: the errors are then against eager under autocast. With --profile each peer's kernels
+are profiled too (torch.profiler, per call): the busy time and launches print under the table; every kernel, and one
+call's timeline (launch order, starts, durations), go to the JSON.
 """
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import resfuse  # noqa: E402
 from resfuse.bench import models, timing  # noqa: E402
+from resfuse.capture.cuda_graphs import CudaGraphed  # noqa: E402
+
+HANDOUTS = CudaGraphed.HANDOUTS
 
 PEERS = {
     "eager": lambda m: m,
@@ -57,6 +61,7 @@ def variant(peer: str):
             options[key] = value  # a plain word: remainder=eager
     guards = options.pop("guards", None)
     guard_filter = getattr(torch.compiler, guards) if guards else None
+    handouts = options.pop("handouts", None)
     if head in MODE_OPTIONS and guard_filter is not None and not options:
         return lambda m: torch.compile(m, options={**MODE_OPTIONS[head], "guard_filter_fn": guard_filter})
     if head in PEERS and not overrides:
@@ -65,7 +70,12 @@ def variant(peer: str):
         raise ValueError(f"peer {peer!r}: one of {', '.join(PEERS)} (all but eager may take guards=NAME), or "
                          "rf / rf+graphs with option=value overrides")
     options = {"cuda_graphs": head == "rf+graphs", **options}
-    return lambda m: resfuse.compile(m, guard_filter_fn=guard_filter, **options)
+
+    def make(m):
+        if handouts is not None:  # a bench-only switch, reset before each peer (run_job)
+            CudaGraphed.HANDOUTS = handouts
+        return resfuse.compile(m, guard_filter_fn=guard_filter, **options)
+    return make
 
 
 def timeline(fn, sets: list[tuple], device: torch.device, iters: int = 3) -> list[dict]:
@@ -102,6 +112,7 @@ def run_job(name: str, batch: int, peers: list[str], iters: int, autocast: bool 
     rows = []  # in the order run: a peer named twice (alternating A/B) keeps both measurements
     for peer in peers:
         torch._dynamo.reset()
+        CudaGraphed.HANDOUTS = HANDOUTS
         fn = None
         try:
             fn = variant(peer)(model)

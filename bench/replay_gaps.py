@@ -71,8 +71,8 @@ def _is_graphed(obj) -> bool:
 
 def step_us(calls=50) -> dict:
     """Median host us of CudaGraphed's whole replaying call, and of each of its steps, on the first graph found
-    among live objects: the input check (and its parts), the input copies, the replay, the outputs' copies
-    (each started on an idle GPU)."""
+    among live objects: the input check (and its parts), the input copies, the replay, the outputs' copies, and
+    where the signature has a handout graph its check, replay and outputs (each started on an idle GPU)."""
     from resfuse.capture import cuda_graphs
     from resfuse.capture.cuda_graphs import _masked, same_addresses, _signature
 
@@ -91,6 +91,9 @@ def step_us(calls=50) -> dict:
              "copy in": lambda: [cap.static[i].copy_(args[i]) for i in cap.copied],
              "fold refresh": (cap.folds.refresh if cap.folds else lambda: None),
              "replay": cap.graph.replay, "copy out": lambda: [o.clone() for o in cap.outputs]}
+    if cap.handouts:  # the graph whose outputs a call hands out, copied inside it (CudaGraphed._serve)
+        steps |= {"handout free?": cap.handouts[0].free, "handout replay": cap.handouts[0].graph.replay,
+                  "handout outputs": lambda: cap.handouts[0].outputs(list)}
     return {name: round(timing.host_us(step, (), torch.device("cuda"), calls), 1) for name, step in steps.items()} | {
         "inputs": len(args), "outputs": len(cap.outputs)}
 

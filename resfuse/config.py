@@ -104,7 +104,7 @@ class Config:
     "Where generated kernels and the tuning cache live (env RESFUSE_CACHE_DIR)."
     cuda_graphs: bool | None = None
     ("Replay compiled graphs through CUDA graphs. None (auto): inference graphs on CUDA, whose replays return "
-     "copies, as eager does; True: training's forward and backward too (torch's CUDA graph trees, as "
+     "outputs the caller owns, as eager's; True: training's forward and backward too (torch's CUDA graph trees, as "
      "reduce-overhead); False: none (each fused op then costs ~100-300 us of Python on the host).")
     remainder: str = "auto"
     ("What runs the ops no fusion absorbed: inductor (torch.compile's compiler fuses them, with our fused ops as "

@@ -20,16 +20,29 @@ def test_cpu_inputs_run_the_function_as_it_is():
 
 class _FakeGraph:
     """Stands in for torch.cuda.CUDAGraph on CPU: the function under capture registers how to recompute its
-    output in place from the static inputs, which is what replaying a real graph does."""
+    output in place from the static inputs, and the copies made under capture (a handout's) are recorded, which
+    is what replaying a real graph does. `made` counts captures of a graph of its own memory pool, `shared` those
+    sharing another's (handouts)."""
     capturing = None
-    made = 0
+    made = shared = 0
 
     def __init__(self):
-        _FakeGraph.made += 1
-        self.work = None
+        self.work, self.copies = None, []
 
     def replay(self):
         self.work()
+        for dst, src in self.copies:
+            dst.copy_(src)
+
+    def pool(self):
+        return id(self)
+
+
+class _RecordCopies(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_ and _FakeGraph.capturing is not None:
+            _FakeGraph.capturing.copies.append(args[:2])
+        return func(*args, **(kwargs or {}))
 
 
 def _fake_cuda(monkeypatch):
@@ -40,9 +53,14 @@ def _fake_cuda(monkeypatch):
             pass
 
     @contextlib.contextmanager
-    def graph(g):
+    def graph(g, pool=None):
+        if pool is None:
+            _FakeGraph.made += 1
+        else:
+            _FakeGraph.shared += 1
         _FakeGraph.capturing = g
-        yield
+        with _RecordCopies():
+            yield
         _FakeGraph.capturing = None
 
     monkeypatch.setattr(torch.cuda, "Stream", Stream)
@@ -51,7 +69,7 @@ def _fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", graph)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    _FakeGraph.made = 0
+    _FakeGraph.made = _FakeGraph.shared = 0
 
 
 def _product(calls: list, replay_adds=lambda batch: 0.0):
@@ -155,8 +173,8 @@ def test_compiled_graphs_empty_their_input_list(cuda_graphs):
 
 
 def test_by_default_only_inference_graphs_on_cuda_replay():
-    """cuda_graphs=None (Config's default): an inference graph on CUDA replays (its copies of the outputs keep eager's semantics);
-    training's graphs, whose outputs would live in the graph's pool, and CPU graphs do not. True and False
+    """cuda_graphs=None (Config's default): an inference graph on CUDA replays (its outputs are its own, as in
+    eager); training's graphs, whose outputs would live in the graph's pool, and CPU graphs do not. True and False
     decide alone."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -195,6 +213,39 @@ def test_default_compile_replays_inference_and_returns_fresh_outputs(monkeypatch
         for x, out in zip(xs, outs):
             assert rel(out.float(), block(x).float()) < 5e-3
     assert len(calls) == 4 and len({o.data_ptr() for o in outs}) == 4
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
+def test_handed_out_outputs_match_eager_and_outlive_the_next_call(monkeypatch):
+    """Real CUDA graphs under resfuse.compile: in a loop that holds the last output while it makes the next, two
+    handout graphs alternate, each output matches eager, and the one held is untouched by the next call; dropped
+    outputs free their handout, and outputs all kept are copies that later calls leave alone."""
+    seen = []
+    real = CudaGraphed.__call__
+    monkeypatch.setattr(CudaGraphed, "__call__", lambda self, inputs: seen.append(self) or real(self, inputs))
+    torch.manual_seed(0)
+    block = Block().eval().cuda().half().to(memory_format=torch.channels_last)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(block, tuning="none")
+    with torch.no_grad():
+        xs = [torch.randn(2, 8, 9, 7, device="cuda", dtype=torch.half).to(memory_format=torch.channels_last)
+              for _ in range(8)]
+        refs = [block(x) for x in xs]
+        held = held_want = None
+        for x, ref in zip(xs, refs):
+            out = compiled(x)
+            if held is not None:
+                assert torch.equal(held, held_want)
+            assert rel(out.float(), ref.float()) < 5e-3
+            held, held_want = out, out.clone()
+        handouts = seen[-1].last.handouts
+        assert len(handouts) == 2 and sum(h.free() for h in handouts) == 1
+        del held, out
+        assert all(h.free() for h in handouts)
+        kept = [compiled(x) for x in xs]
+        for k, ref in zip(kept, refs):
+            assert rel(k.float(), ref.float()) < 5e-3
 
 
 @pytest.mark.requires_cuda
@@ -434,3 +485,73 @@ def test_a_graph_that_does_not_reproduce_its_warm_up_is_dropped(monkeypatch):
     assert "infinity" in mismatch([torch.tensor([1.0, inf])], [torch.tensor([1.0, -inf])])
     assert "infinity" in mismatch([torch.tensor([1.0, inf])], [torch.tensor([1.0, 3.0])])
     assert "relative error" in mismatch([torch.tensor([1.0, inf])], [torch.tensor([2.0, inf])])
+
+
+class _OnCuda(CudaGraphed):
+    @staticmethod
+    def _on_cuda(args):
+        return True
+
+
+def test_outputs_are_handed_out_only_while_the_caller_holds_none_of_them(monkeypatch):
+    """A call returns a handout graph's buffers only where nothing the caller holds reads them: dropped outputs let
+    one handout serve every call; `out = model(x)` holds one output while it makes the next, and two alternate; a
+    caller that keeps every output, or only a view of one, or only its storage, gets outputs that later calls never
+    overwrite (fake CUDA graphs; every input kept alive, so no address is reused)."""
+    _fake_cuda(monkeypatch)
+    calls, w = [], torch.randn(4)
+    xs = [torch.randn(3, 4) for _ in range(30)]
+    wrapped = _OnCuda(_product(calls))
+    for x in xs[:6]:  # the first call, the capture, then replays whose outputs are dropped at once
+        assert torch.equal(wrapped([x, w])[0], x * w)
+    assert (_FakeGraph.made, _FakeGraph.shared, len(calls)) == (1, 1, 4)  # fn: first call, warm-up, 2 captures
+
+    held, want = wrapped([xs[6], w])[0], xs[6] * w
+    for x in xs[7:12]:  # `out = model(x)`: the last output is held during the call
+        out = wrapped([x, w])[0]
+        assert torch.equal(held, want) and torch.equal(out, x * w)
+        held, want = out, x * w
+    assert (_FakeGraph.made, _FakeGraph.shared, len(calls)) == (1, 2, 5)
+
+    del held, out
+    view = wrapped([xs[12], w])[0][1:]  # one handout read through a view only
+    out = wrapped([xs[13], w])[0]  # the other through its storage only
+    storage, want_storage = out.untyped_storage(), out.clone()
+    del out
+    kept = [wrapped([x, w])[0] for x in xs[14:20]]  # neither is free: outputs copied, every one kept
+    for x in xs[20:26]:
+        assert torch.equal(wrapped([x, w])[0], x * w)
+    assert all(torch.equal(k, x * w) for k, x in zip(kept, xs[14:20]))
+    assert torch.equal(view, (xs[12] * w)[1:])
+    assert torch.equal(torch.empty(0).set_(storage, 0, (3, 4)), want_storage)
+    assert (_FakeGraph.made, _FakeGraph.shared, len(calls)) == (1, 2, 5)  # no more captures, no plain calls
+    del kept, view, storage
+    for x in xs[26:]:  # everything dropped: the handouts serve again
+        assert torch.equal(wrapped([x, w])[0], x * w)
+    assert all(h.free() for h in wrapped.last.handouts)
+
+
+def test_a_handout_that_does_not_reproduce_the_first_graph_is_dropped(monkeypatch):
+    """A handout graph whose replay differs from the first graph's on the same inputs never serves a call: the
+    signature's calls copy the first graph's outputs instead, said in the report's errors (fake CUDA graphs)."""
+    _fake_cuda(monkeypatch)
+    captures = []
+
+    def fn(args):
+        x, w = args
+        out = x * w
+        if _FakeGraph.capturing is not None:
+            captures.append(1)
+            extra = 1.0 if len(captures) == 2 else 0.0  # the second capture, the first handout, replays wrong
+            _FakeGraph.capturing.work = lambda: out.copy_(x * w + extra)
+        return [out]
+
+    class Report:
+        errors = []
+
+    wrapped, w = _OnCuda(fn, Report), torch.randn(4)
+    xs = [torch.randn(3, 4) for _ in range(6)]
+    for x in xs:
+        assert torch.equal(wrapped([x, w])[0], x * w)
+    assert len(Report.errors) == 1 and "copies its outputs out" in Report.errors[0]
+    assert wrapped.last.handouts == [] and _FakeGraph.shared == 1
