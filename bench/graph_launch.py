@@ -7,8 +7,11 @@ launch a resfuse graph holds (ATen's kernels, cuBLAS, our Triton kernels with an
 depthwise kernel, a cuDNN fused-conv plan, an Inductor kernel), this captures 100 launches of it in one graph
 and times graph.replay() on the host. Our kernels launch under programmatic dependent launch by default; each also
 runs with it off, to see whether PDL's graph edges cost the host (the forty-third session timed a ResNet-50 bs1
-replay at 36-148 us of host, ten times the per-node cost measured here before PDL). bs1 MobileNet shapes (fp16,
-channels_last). Prints us per node.
+replay at 36-148 us of host, ten times the per-node cost measured here before PDL). Then mixes of the kinds, and
+50 distinct compiled kernels in turn against one kernel 50 times: their rows are per round (one launch of each
+member), NODES rounds a graph. A model's graph costs 0.35-1.0 us a node (bench/replay_gaps.py); a kind alone here
+costs 0.03-0.14 (forty-fourth session), so the mixes ask whether mixing kinds, PDL edges or distinct kernel modules
+make a node dearer. bs1 MobileNet shapes (fp16, channels_last).
 """
 import argparse
 import json
@@ -17,6 +20,8 @@ import sys
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from resfuse import kernels  # noqa: E402
@@ -66,6 +71,23 @@ def without_pdl(launch):
     return run
 
 
+@triton.jit
+def _bump(x_ptr, n, K: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + K, mask=offs < n)
+
+
+def distinct_kernels(x, count: int = 50):
+    """Launches of `count` distinct compiled kernels in turn (one Triton kernel specialised on K = 0..count-1: a
+    module each, as a model graph's kernels are), against one of them `count` times."""
+    n = x.numel()
+    for k in range(count):  # compiled outside the capture
+        _bump[(triton.cdiv(n, 128),)](x, n, K=k, BLOCK=128)
+    torch.cuda.synchronize()
+    return (lambda: [_bump[(triton.cdiv(n, 128),)](x, n, K=k, BLOCK=128) for k in range(count)],
+            lambda: [_bump[(triton.cdiv(n, 128),)](x, n, K=0, BLOCK=128) for _ in range(count)])
+
+
 def cases():
     dev, h = "cuda", torch.float16
     a, b = torch.randn(196, 80, device=dev, dtype=h), torch.randn(80, 480, device=dev, dtype=h)
@@ -94,8 +116,21 @@ def cases():
     }
     for name in ("resfuse gemm", "resfuse gemm TMA", "resfuse depthwise"):  # PDL is on by default (plan.pdl_meta)
         kinds[f"{name}, PDL off"] = without_pdl(kinds[name])
-    mixed = list(kinds.values())
-    kinds["all of them, in turn"] = lambda: [launch() for launch in mixed]  # NODES rounds of each
+    ours = ("resfuse gemm", "resfuse gemm TMA", "resfuse depthwise")
+    theirs = ("aten add", "cuBLAS mm", "ATen conv (cuDNN)", "Inductor kernel", "cuDNN fused plan")
+    mixes = {  # each NODES rounds of its kinds in turn: which mix makes a node cost more than alone?
+        "all of them, in turn": list(kinds),
+        "mix: ours and theirs, PDL on": [*ours, *theirs],
+        "mix: ours and theirs, PDL off": [f"{k}, PDL off" for k in ours] + list(theirs),
+        "mix: ours alone, PDL on": list(ours),
+        "mix: ours alone, PDL off": [f"{k}, PDL off" for k in ours],
+        "mix: theirs alone": list(theirs),
+        "mix: two gemms, PDL on": ["resfuse gemm", "resfuse gemm TMA"],
+    }
+    for name, members in mixes.items():
+        kinds[name] = lambda launches=[kinds[k] for k in members]: [launch() for launch in launches]
+    distinct, same = distinct_kernels(torch.zeros(4096, device=dev))
+    kinds["50 distinct kernels, in turn"], kinds["one kernel, 50 times"] = distinct, same
     return kinds
 
 
@@ -112,9 +147,9 @@ def main():
             print(f"{name}: {type(e).__name__}: {e}")
     with open(os.path.join(args.out, "graph_launch.json"), "w") as f:
         json.dump({k: {"host_us_per_node": v[0], "gpu_us_per_node": v[1]} for k, v in rows.items()}, f, indent=1)
-    print(f"{'launch kind':<22}{'host us/node':>14}{'GPU us/node':>13}")
+    print(f"{'launch kind':<34}{'host us/node':>14}{'GPU us/node':>13}")
     for name, (host, gpu) in rows.items():
-        print(f"{name:<22}{host:>14.2f}{gpu:>13.2f}")
+        print(f"{name:<34}{host:>14.2f}{gpu:>13.2f}")
 
 
 if __name__ == "__main__":

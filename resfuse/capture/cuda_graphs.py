@@ -174,7 +174,7 @@ class CudaGraphed:
     The last graph replayed is tried first, without hashing every input's signature."""
     _boxed_call = True
     MAX_SIGNATURES = 8
-    HANDOUTS = 2  # graphs a signature hands its outputs out from (_Handout)
+    HANDOUTS = 2  # graphs a signature hands its outputs out from (_Handout); 0: each call copies them after its replay
 
     def __init__(self, fn, report=None):
         self.fn, self.report = fn, report
@@ -254,7 +254,7 @@ class CudaGraphed:
     def _serve(self, cap: _Capture):
         """Replay cap's signature and return outputs the caller may keep: a free handout's buffers; else a new
         handout's, while the signature has fewer than HANDOUTS; else copies of the first graph's outputs."""
-        for handout in cap.handouts:
+        for handout in cap.handouts[:self.HANDOUTS]:
             if handout.free():
                 handout.graph.replay()
                 return handout.outputs(type(cap.outputs))
