@@ -62,11 +62,14 @@ def split_us(fn, x, calls=50) -> dict:
     return {"before": med(0), "inside": med(1), "after": med(2), "whole": med(3), "calls split": len(parts)}
 
 
-def _is_graphed(obj) -> bool:
-    try:
-        return isinstance(obj, CudaGraphed) and bool(obj.captures)
-    except ReferenceError:  # a weakref proxy whose object is gone
-        return False
+def first_graphed() -> CudaGraphed:
+    """The first CudaGraphed among live objects that has captured a graph."""
+    def graphed(obj) -> bool:
+        try:
+            return isinstance(obj, CudaGraphed) and bool(obj.captures)
+        except ReferenceError:  # a weakref proxy whose object is gone
+            return False
+    return next(o for o in gc.get_objects() if graphed(o))
 
 
 def step_us(calls=50) -> dict:
@@ -76,7 +79,7 @@ def step_us(calls=50) -> dict:
     from resfuse.capture import cuda_graphs
     from resfuse.capture.cuda_graphs import _masked, same_addresses, _signature
 
-    graphed = next(o for o in gc.get_objects() if _is_graphed(o))
+    graphed = first_graphed()
     cap = next(iter(graphed.captures.values()))
     args = tuple(cap.static)
     print("replays:", cap.replays(args), "C++ address check:",
