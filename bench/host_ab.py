@@ -64,12 +64,13 @@ def main():
         busy = (time.perf_counter() - t0) * 1e4
         torch.cuda.synchronize()
         print(f"{name}: graph.replay() host us {idle:.1f} on an idle GPU, {busy:.1f} back to back")
-        row = {"replay_us": {"idle": idle, "back to back": busy}}
+        row = {}
         for what, series in (("host_us", host), ("latency_us", lat)):
             a, b = series["handouts"], series["clone"]
             row[what] = {"handouts": statistics.median(a), "clone": statistics.median(b),
                          "median difference": statistics.median(x - y for x, y in zip(a, b))}
-        results[f"{name}:{args.batch}"] = row | {"series": {"host_us": host, "latency_us": lat}}
+        results[f"{name}:{args.batch}"] = row | {"replay_us": {"idle": idle, "back to back": busy},
+                                                 "series": {"host_us": host, "latency_us": lat}}
         print(f"{name} bs{args.batch}, {args.rounds} rounds: " + "; ".join(
             f"{what} handouts {r['handouts']:.1f} clone {r['clone']:.1f} (median difference "
             f"{r['median difference']:+.1f})" for what, r in row.items()), flush=True)
