@@ -19,8 +19,9 @@ calls after the first, end with their outputs copied into buffers of their own, 
 buffers once nothing the caller holds reads them any more (no tensor on their storage, nor the storage's Python
 object). A loop `out = model(x)` holds the last call's output while it makes the next, so two graphs alternate. A
 caller that keeps every output finds neither free: the first graph replays, and its outputs are copied after it,
-as before. The copy inside the graph saves the host the copy's launch and allocation (ResNet-50 bs1 on an H100:
-13-23 us of a 170-460 us call) and the GPU the gap before it (2.6 us).
+as before. The copy inside the graph saves the host the copy's launch and allocation, and the GPU the gap before
+it: on an H100 at batch 1, 31-34 us of the host's 184-228 us a call (ResNet-50, MobileNetV3-L; bench/host_ab.py)
+and 2-3 us of ResNet-50's 263 us on the GPU (BENCHMARKS.md, forty-fourth session).
 
 A captured graph must reproduce the warm-up's outputs on the same inputs before it serves a call (`mismatch`): a
 replay that ran its kernels out of order computed ResNet-50 at batch 1 wrong on an H200 (relative error 1.2 on
