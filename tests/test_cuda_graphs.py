@@ -555,3 +555,27 @@ def test_a_handout_that_does_not_reproduce_the_first_graph_is_dropped(monkeypatc
         assert torch.equal(wrapped([x, w])[0], x * w)
     assert len(Report.errors) == 1 and "copies its outputs out" in Report.errors[0]
     assert wrapped.last.handouts == [] and _FakeGraph.shared == 1
+
+
+def test_outputs_over_the_handout_size_are_copied_after_each_replay(monkeypatch):
+    """A signature whose outputs pass HANDOUT_BYTES captures no handout graph: its calls replay the first graph and
+    copy the outputs out, every one right; a smaller signature of the same function still hands out (fake CUDA
+    graphs)."""
+    from resfuse.capture.cuda_graphs import handout_refusal
+
+    _fake_cuda(monkeypatch)
+    calls = []
+
+    class Small(_OnCuda):
+        HANDOUT_BYTES = 3 * 4 * 4  # a [3, 4] fp32 output fits, a [5, 4] one does not
+
+    wrapped, w = Small(_product(calls)), torch.randn(4)
+    kept = []
+    for rows in (5, 5, 5, 5, 3, 3, 3, 3):
+        x = torch.randn(rows, 4)
+        kept.append(x)
+        assert torch.equal(wrapped([x, w])[0], x * w)
+    refused = {sig[0][0][0]: cap.handouts_refused for sig, cap in wrapped.captures.items()}
+    assert refused[5] == "outputs of 80 bytes, over 48" and refused[3] is None
+    assert (_FakeGraph.made, _FakeGraph.shared) == (2, 1)
+    assert handout_refusal([torch.empty(2), None, 3], 8) is None

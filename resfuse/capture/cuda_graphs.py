@@ -15,13 +15,15 @@ and returns outputs of its own, so a caller may keep them across calls, as in ea
 capturing again; a parameter that moved re-captures. CPU inputs run `fn` as it is.
 
 The outputs a call returns (`_Handout`): a second and a third graph of the signature (HANDOUTS), captured on the
-calls after the first, end with their outputs copied into buffers of their own, and a call hands the caller those
-buffers once nothing the caller holds reads them any more (no tensor on their storage, nor the storage's Python
-object). A loop `out = model(x)` holds the last call's output while it makes the next, so two graphs alternate. A
-caller that keeps every output finds neither free: the first graph replays, and its outputs are copied after it,
-as before. The copy inside the graph saves the host the copy's launch and allocation, and the GPU the gap before
-it: on an H100 at batch 1, 31-34 us of the host's 184-228 us a call (ResNet-50, MobileNetV3-L; bench/host_ab.py)
-and 2-3 us of ResNet-50's 263 us on the GPU (BENCHMARKS.md, forty-fourth session).
+first later calls that find none free, end with their outputs copied into buffers of their own, and a call hands
+the caller those buffers once nothing the caller holds reads them any more (no tensor on their storage, nor the
+storage's Python object). A loop `out = model(x)` holds the last call's output while it makes the next, so two
+graphs alternate. A caller that keeps every output finds neither free: the first graph replays, and its outputs are
+copied after it, as before. Outputs over 64 MB in all (HANDOUT_BYTES) are always copied so: two kept buffers would
+hold that memory for good, and there the copy itself, not its launch, is the cost. The copy inside the graph saves
+the host the copy's launch and allocation, and the GPU the gap before it: on an H100 at batch 1, 31-34 us of the
+host's 184-228 us a call (ResNet-50, MobileNetV3-L; bench/host_ab.py) and 2-3 us of ResNet-50's 263 us on the GPU
+(BENCHMARKS.md, forty-fourth session).
 
 A captured graph must reproduce the warm-up's outputs on the same inputs before it serves a call (`mismatch`): a
 replay that ran its kernels out of order computed ResNet-50 at batch 1 wrong on an H200 (relative error 1.2 on
@@ -49,7 +51,7 @@ class _Capture:
         self.tickets = None  # kernels.split_k.graph_tickets: the graph's split launches' tickets, kept with it
         self.refused = None  # why this signature runs without its graph (its replay did not match the warm-up)
         self.handouts: list[_Handout] = []  # the graphs whose outputs a call hands out (CudaGraphed._serve)
-        self.handouts_refused = None  # why none is captured (one's replay did not match the first graph's)
+        self.handouts_refused = None  # why none is captured (handout_refusal, or one's replay did not match)
 
     def remember(self, args: tuple, ptrs: list) -> None:
         """What moved() and replays() compare: the inputs read in place (their addresses and objects; the
@@ -103,6 +105,17 @@ class _Handout:
 
     def outputs(self, kind):
         return kind(b.detach() if isinstance(b, torch.Tensor) else b for b in self.buffers)
+
+
+def handout_refusal(outputs, limit: int) -> str | None:
+    """Why a signature's calls copy their outputs after the replay instead of handing out buffers (None: they may
+    hand out): outputs larger than `limit` bytes in all, where two buffers kept for handing out would hold memory
+    that a copy per call gives back (and the copy, not its launch, is the cost), or a torch that cannot count a
+    storage's users."""
+    if getattr(torch._C, "_storage_Use_Count", None) is None:
+        return "this torch has no torch._C._storage_Use_Count"
+    size = sum(o.numel() * o.element_size() for o in outputs if isinstance(o, torch.Tensor))
+    return f"outputs of {size} bytes, over {limit}" if size > limit else None
 
 
 def same_addresses(args: tuple, ptrs: list, idx: list) -> bool:
@@ -176,6 +189,7 @@ class CudaGraphed:
     _boxed_call = True
     MAX_SIGNATURES = 8
     HANDOUTS = 2  # graphs a signature hands its outputs out from (_Handout); 0: each call copies them after its replay
+    HANDOUT_BYTES = 1 << 26  # outputs larger in all get no handouts (handout_refusal)
 
     def __init__(self, fn, report=None):
         self.fn, self.report = fn, report
@@ -214,6 +228,7 @@ class CudaGraphed:
             with split_k.graph_tickets(device) as cap.tickets, torch.cuda.graph(cap.graph):
                 cap.outputs = self.fn(list(cap.static))
         cap.folds = FoldWatch(folds) if folds else None
+        cap.handouts_refused = handout_refusal(cap.outputs, self.HANDOUT_BYTES)
         cap.remember(args, ptrs)
         cap.graph.replay()
         if why := mismatch(cap.outputs, expected):
