@@ -579,3 +579,28 @@ def test_outputs_over_the_handout_size_are_copied_after_each_replay(monkeypatch)
     assert refused[5] == "outputs of 80 bytes, over 48" and refused[3] is None
     assert (_FakeGraph.made, _FakeGraph.shared) == (2, 1)
     assert handout_refusal([torch.empty(2), None, 3], 8) is None
+
+
+def test_a_handout_copies_every_tensor_output_and_keeps_the_others(monkeypatch):
+    """Outputs of several tensors and a non-tensor: a handout copies each tensor into its own buffer and returns
+    the non-tensor as it is; an output kept holds its handout whole (fake CUDA graphs)."""
+    _fake_cuda(monkeypatch)
+
+    def fn(args):
+        x, w = args
+        prod, total = x * w, x + w
+        if _FakeGraph.capturing is not None:
+            _FakeGraph.capturing.work = lambda: (prod.copy_(x * w), total.copy_(x + w))
+        return [prod, None, total]
+
+    wrapped, w = _OnCuda(fn), torch.randn(4)
+    xs = [torch.randn(3, 4) for _ in range(8)]
+    held = want = None
+    for x in xs:
+        out = wrapped([x, w])
+        assert out[1] is None and torch.equal(out[0], x * w) and torch.equal(out[2], x + w)
+        if held is not None:  # only the second tensor of the last call's outputs is held: its handout is not free
+            assert torch.equal(held, want)
+        held, want = out[2], x + w
+        del out
+    assert _FakeGraph.shared == 2
