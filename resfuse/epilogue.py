@@ -398,7 +398,7 @@ def triton_params(tree: Node, prefix: str = "") -> list[str]:
 
 
 def triton_body(tree: Node, out: str = "y", tma_slots: tuple[int, ...] = (), prefix: str = "",
-                given: dict[int, str] | None = None, out_ty: str = "tl.float32") -> str:
+                given: dict[int, str] | None = None, out_ty: str = "tl.float32", swap: bool = False) -> str:
     """Source that loads the operands and assigns the epilogue value to `out` (and an aux node's to `aux_y`).
 
     It expects in scope: `acc` [BM, BC] fp32, `offs_c` [BC], `mask_c` [BC], `s_idx` and `p_idx` [BM] (the
@@ -410,6 +410,10 @@ def triton_body(tree: Node, out: str = "y", tma_slots: tuple[int, ...] = (), pre
     parameters are still taken, unread: kernels/shortcut.py computes a residual in the same kernel).
     `out_ty` is the element type (source) the value is stored or rounded to: the typed ops (GELU) compute to its
     precision, fp32's by default.
+    With `swap` the tile is the transposed output's (a GEMM whose operands were swapped: kernels/launch.py's
+    _swapped_plan): its rows are the output's channels and its columns the output's rows, all of one sample, so
+    `p_idx` holds channels and `offs_c` rows. An operand keeps its [S, P, C] strides; a per-channel operand is then
+    read along the tile's rows, under `row_ok` [BM] (in scope too), and a full one's P and C strides trade places.
     """
     lines = []
     op, v = f"{prefix}op", f"{prefix}v"
@@ -419,6 +423,12 @@ def triton_body(tree: Node, out: str = "y", tma_slots: tuple[int, ...] = (), pre
             lines.append(f"{v}{i} = {given[i]}")
         elif i in tma_slots:
             lines.append(f"{v}{i} = {op}{i}.load([row0, col0]).to(tl.float32)")
+        elif swap and o.kind in ("c", "nc"):  # one sample: s_idx is 0
+            lines.append(f"{v}{i} = tl.load({op}{i} + s_idx * {op}_sn{i} + p_idx * {op}_sc{i}, mask=row_ok, "
+                         "other=0.0).to(tl.float32)[:, None]")
+        elif swap:
+            lines.append(f"{v}{i} = tl.load({op}{i} + s_idx[:, None] * {op}_sn{i} + p_idx[:, None] * {op}_sc{i} "
+                         f"+ offs_c[None, :] * {op}_sp{i}, mask=mask, other=0.0).to(tl.float32)")
         elif o.kind == "c":
             lines.append(f"{v}{i} = tl.load({op}{i} + offs_c * {op}_sc{i}, mask=mask_c, other=0.0)"
                          ".to(tl.float32)[None, :]")

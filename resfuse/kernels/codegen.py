@@ -74,15 +74,19 @@ class Family:
     prefetch: str | None = None
 
 
-def kernel_source(family: Family, signature: str, tma_slots: tuple[int, ...] = (), out_tma: bool = False) -> str:
+def kernel_source(family: Family, signature: str, tma_slots: tuple[int, ...] = (), out_tma: bool = False,
+                  swap: bool = False) -> str:
     """The generated kernel's source; the full operands in `tma_slots` are tensor descriptors (Family.origin), and
     with `out_tma` so is `out`: an [M, N] matrix the tile is written to by one bulk store, clipped at its edges,
-    which leaves the warps to go on to the next tile while the copy drains (no split of the reduction)."""
+    which leaves the warps to go on to the next tile while the copy drains (no split of the reduction). With `swap`
+    the mainloop computes the transposed output, its rows the output's channels (epilogue.triton_body's swap)."""
     if (tma_slots or out_tma) and family.origin is None:
         raise ValueError(f"family {family.name} has no tile origin: its operands cannot be read through TMA")
     tree = epi.parse(signature)
     aux = epi.aux_value(tree) is not None  # a second output, laid out like `out`
     stats = epi.stats_node(tree)
+    if swap and (stats or tma_slots or out_tma):
+        raise ValueError("a swapped tile sums no statistics and reads no operand through TMA")
     params = ["out", *(["aux"] if aux else []), *(["stats", "stats_rows"] if stats else []), "ws", "tickets",
               *family.args, family.s_out_c, *epi.triton_params(tree)]
     params += [f"{c}: tl.constexpr" for c in (*family.constexprs, "PDL", "PREFETCH")]
@@ -115,7 +119,7 @@ if SPLIT_K > 1:
     mask = mask & last
     stat_ok = stat_ok & last
 # epilogue: {signature}
-{epi.triton_body(tree, out="y", tma_slots=tma_slots, out_ty=out_ty)}
+{epi.triton_body(tree, out="y", tma_slots=tma_slots, out_ty=out_ty, swap=swap)}
 {store}
 {aux_store}
 {stats_store}"""
@@ -173,18 +177,20 @@ def _write_if_changed(path: Path, source: str) -> None:
     os.replace(tmp, path)
 
 
-def load(family: Family, signature: str, tma_slots: tuple[int, ...] = (), out_tma: bool = False):
+def load(family: Family, signature: str, tma_slots: tuple[int, ...] = (), out_tma: bool = False,
+         swap: bool = False):
     """The generated kernel for this family and epilogue (its full operands in `tma_slots`, and with `out_tma` its
-    output, through tensor descriptors), built on first use and cached in-process."""
-    return load_source(family.name, variant(signature, tma_slots, out_tma),
-                       lambda: kernel_source(family, signature, tma_slots, out_tma))
+    output, through tensor descriptors; with `swap`, for the transposed output), built on first use and cached
+    in-process."""
+    return load_source(family.name, variant(signature, tma_slots, out_tma, swap),
+                       lambda: kernel_source(family, signature, tma_slots, out_tma, swap))
 
 
-def variant(signature: str, tma_slots: tuple[int, ...] = (), out_tma: bool = False) -> str:
+def variant(signature: str, tma_slots: tuple[int, ...] = (), out_tma: bool = False, swap: bool = False) -> str:
     """The in-process cache's name for a kernel of this signature whose operands in `tma_slots` (and with
-    `out_tma`, whose output) are descriptors."""
+    `out_tma`, whose output) are descriptors, or (`swap`) whose tile is the transposed output's."""
     return (signature + (f"|tma{','.join(map(str, tma_slots))}" if tma_slots else "")
-            + ("|out" if out_tma else ""))
+            + ("|out" if out_tma else "") + ("|swap" if swap else ""))
 
 
 def load_source(family: str, signature: str, source):

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .codegen import Family
-from .matmul import persistent_ok, split_k_heuristic, tiles_fit
+from .matmul import persistent_ok, split_k_heuristic, swap_ok, tiles_fit
 from .tiles import cdiv, k_range, mma, prefetch_rows, swizzle_tile, tile_offsets
 
 
@@ -241,18 +241,22 @@ class ConvConfig:
     #                          like persistent, not for a conv with more than one tap
     image: bool = False  # kernels/conv2d_image.py instead (a conv over an image of at most 4 channels: the image
     #                      padded once, then overlapping views of its rows); the other fields are then ignored
+    swap: bool = False  # a 1x1 conv of one image as the GEMM of its transposed output (matmul.GemmConfig.swap):
+    #                     block_m tiles the output channels, block_n the pixels
 
     def check(self, p: ConvProblem) -> bool:
         return (tiles_fit(self, p.dtype_bytes) and not (self.tma and (self.flat or self.block_k * p.dtype_bytes < 16))
                 and not (self.ws and not self.tma) and persistent_ok(self)
                 and not ((self.persistent or self.tma_store) and p.r * p.s > 1)
-                and not (self.image and (p.c > 4 or p.s > 8 or p.k > 256)))
+                and not (self.image and (p.c > 4 or p.s > 8 or p.k > 256))
+                and swap_ok(self, p.n) and not (self.swap and (p.r * p.s > 1 or self.flat or self.image)))
 
 
 SPACE = {  # the tuner (tuning/space.py) enumerates this product and keeps the configs that pass check()
     "block_m": (32, 64, 128, 256), "block_n": (32, 64, 128, 256), "block_k": (16, 32, 64),
     "group_m": (8,), "split_k": (1, 2, 4, 8), "flat": (False, True), "num_warps": (4, 8), "num_stages": (2, 3, 4),
     "tma": (False, True), "ws": (False, True), "persistent": (0, 1, 2), "tma_store": (False, True),
+    "swap": (False, True),
 }
 
 

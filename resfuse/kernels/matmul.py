@@ -171,10 +171,18 @@ class GemmConfig:
     ws: bool = False  # warp-specialise the TMA mainloop's loop (ignored without tma)
     persistent: int = 0  # > 0: PERSISTENT_FAMILY with this many programs an SM, each walking tiles (needs tma)
     tma_store: bool = False  # write the output by bulk stores where launch.descriptor_output accepts it (needs tma)
+    swap: bool = False  # compute the transposed output, out^T = B^T A^T (launch._swapped_plan): block_m then tiles
+    #                     the output's columns (channels) and block_n its rows; pointer loads, one 2-D product only
 
     def check(self, p: GemmProblem) -> bool:
         return (tiles_fit(self, p.dtype_bytes) and not (self.tma and p.batch > 1) and not (self.ws and not self.tma)
-                and persistent_ok(self))
+                and persistent_ok(self) and swap_ok(self, p.batch))
+
+
+def swap_ok(cfg, samples: int) -> bool:
+    """A swapped config (GemmConfig.swap, ConvConfig.swap) runs the pointer mainloop on one sample's product.
+    Shared by both families (a 1x1 conv runs as a GEMM)."""
+    return not cfg.swap or (samples == 1 and not (cfg.tma or cfg.ws or cfg.persistent or cfg.tma_store))
 
 
 def persistent_ok(cfg) -> bool:
@@ -196,7 +204,7 @@ def tiles_fit(cfg, dtype_bytes: int) -> bool:
 SPACE = {  # the tuner (tuning/space.py) enumerates this product and keeps the configs that pass check()
     "block_m": (32, 64, 128, 256), "block_n": (32, 64, 128, 256), "block_k": (32, 64, 128),
     "group_m": (8,), "split_k": (1, 2, 4, 8), "num_warps": (4, 8), "num_stages": (2, 3, 4, 5), "tma": (False, True),
-    "ws": (False, True), "persistent": (0, 1, 2), "tma_store": (False, True),
+    "ws": (False, True), "persistent": (0, 1, 2), "tma_store": (False, True), "swap": (False, True),
 }
 
 

@@ -197,10 +197,15 @@ def cached_is_wrong(call: Call, entry: Entry, level: str, passed=lambda: None) -
     cache can hold a choice that an earlier check let through (before CHECK_VERSION 2, a cuDNN engine config that
     wrote nothing), or one made by another driver or GPU of the same name. A choice that is not among this level's
     candidates (cached by tuning "max"), or whose provider cannot build them here, runs unchecked."""
-    same = json.dumps(entry.config, sort_keys=True)  # as the cache stores it
+    def spelt(config: dict) -> str:  # a triton config with every field (one cached before a field existed: its
+        # default), as the cache stores it
+        full = dataclasses.asdict(space.config(call, config)) if entry.provider == "triton" else config
+        return json.dumps(full, sort_keys=True)
+
     try:
+        same = spelt(entry.config)
         found = [v for c in providers.candidates(call, level, allowed=(entry.provider,)) for v in (c, *c.variants)
-                 if json.dumps(v.config, sort_keys=True) == same]  # a variant (bulk stores) may be the choice
+                 if spelt(v.config) == same]  # a variant (bulk stores) may be the choice
     except Exception:  # noqa: BLE001  no candidates to check against: the choice runs as before the check
         return None
     if not found:

@@ -7,8 +7,9 @@ kernels/conv2d_bwd_data.py, kernels/chain.py and kernels/shortcut.py); here it i
   fast  the default and a few tile shapes around it that suit Hopper (the default level); for the chain kernel
         and the shortcut kernel, the default and its whole space (eight, and 16 or 28 configs of one form);
         for a conv whose default tiles under-fill the GPU, also 32 x 64 tiles split for their own count
-        (conv2d_fprop.few_rows_config); for a conv over an image of at most 4 channels, also the image conv
-        (at this level and at max);
+        (conv2d_fprop.few_rows_config); for a GEMM or a 1x1 conv of at most SWAP_ROWS rows of one sample, also
+        its swapped form (GemmConfig.swap, SWAP_TILES); for a conv over an image of at most 4 channels, also the
+        image conv (at this level and at max);
   max   every point of SPACE that passes `check` (hundreds of compiles: slow).
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ import dataclasses
 import itertools
 
 import torch
+from triton import cdiv
 
 from .. import kernels
 from ..kernels import chain, conv2d_bwd_data, conv2d_depthwise, conv2d_fprop, launch, matmul, shortcut
@@ -33,6 +35,13 @@ FAST_TILES = ((128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4), (128, 256, 8, 
 # best persistent config of `bench/persistent.py` on each of its cases (H100, bs256 ResNet-50 1x1 convs and
 # ConvNeXt/BERT GEMMs) used one of these, and beat the best one-tile-per-program config by up to 1.31x.
 PERSISTENT_TILES = ((128, 64), (128, 128), (256, 128))
+# For a product of at most SWAP_ROWS rows of one sample (a 1x1 conv or a linear layer at batch 1), "fast" also
+# offers it swapped (GemmConfig.swap: the output's channels tile the rows) in these (channels, rows) tiles, split
+# by the heuristic's rule and unsplit: the best swapped tiles of bench/swap_ab.py on ResNet-50's bs1 1x1 convs
+# (H100, forty-fourth session; 64 x 16 split 4 took layer 4's 2048 -> 512 conv in 5.15 us, against 5.55 for the
+# tuner's best before).
+SWAP_TILES = ((64, 16), (64, 32))
+SWAP_ROWS = 256
 LEVELS = ("none", "fast", "max")
 MODULES = {"conv2d": conv2d_fprop, "gemm": matmul, "conv2d_dgrad": conv2d_bwd_data,  # op -> its kernel's space
            "conv2d_chain": chain, "conv2d_shortcut": shortcut}
@@ -138,11 +147,32 @@ def configs(call, level: str) -> list:
                       if c.tma and c.split_k == 1 and (c.block_m, c.block_n) in PERSISTENT_TILES]
         if family is conv2d_fprop and conv2d_fprop.tiles(default, p) < p.sms:
             found.append(conv2d_fprop.few_rows_config(p, tma=_tma_gemm(call)))
+        found += swapped_configs(call, p, default)
     if not _tma_readable(call):
         found = [c for c in found if not getattr(c, "tma", False)]  # it would run the pointer mainloop: a duplicate
     if family is conv2d_fprop and image_refusal(call) is None:
         found.append(dataclasses.replace(default, image=True))
     return [c for c in dict.fromkeys(found) if c.check(p)]
+
+
+def swapped_configs(call, p, default) -> list:
+    """The swapped configs "fast" offers a GEMM or a 1x1 conv of few rows of one sample (SWAP_TILES, SWAP_ROWS);
+    none for others. A conv's must also be a plain GEMM (launch.is_gemm_conv); check() drops the rest."""
+    if call.op == "gemm":
+        rows, cols, k, samples = p.m, p.n, p.k, p.batch
+    elif call.op == "conv2d" and launch.is_gemm_conv(*call.inputs, *call.params[:2], call.out.strides):
+        rows, cols, k, samples = p.m, p.k, p.c, p.n
+    else:
+        return []
+    if samples != 1 or rows > SWAP_ROWS:
+        return []
+    found = []
+    for bm, bn in SWAP_TILES:
+        split = matmul.split_k_heuristic(cdiv(cols, bm) * cdiv(rows, bn), cdiv(k, default.block_k), p.sms)
+        found += [dataclasses.replace(default, block_m=bm, block_n=bn, split_k=s, num_warps=4, num_stages=3, swap=True,
+                                      tma=False, ws=False, persistent=0, tma_store=False)
+                  for s in dict.fromkeys((split, 1))]
+    return found
 
 
 def image_refusal(call) -> str | None:

@@ -5,12 +5,12 @@ first named tensors of two shapes `c` in the two branches of an if, which only t
 
 How, without a GPU: a fresh process (the interpreter switch is process-wide) tells Triton its driver is a Hopper
 GPU's (`FakeHopper`: JITFunction.run asks the driver only for a device, a stream and a target before its compile
-hook), records what each tuning candidate's launches would compile (tuning/precompile.record, as the tuner's
-workers do), and compiles one of each distinct kernel (tile sizes aside; split-K, TMA, persistent and store
-variants kept) with tuning/workers.compile_spec. The calls cover every kernel family the tuner offers for a fused
-conv, GEMM, chain and shortcut, each with an epilogue, and the image conv (bare, and cast from autocast's fp32),
-with programmatic dependent launch on, as on a Hopper GPU, and the weight prefetch of the families that have one
-in their PTX."""
+hook), records what each tuning candidate's launches would compile (tuning/precompile.record, as the tuner's workers
+do), and compiles one of each distinct kernel (tile sizes aside; split-K, TMA, persistent and store variants kept)
+with tuning/workers.compile_spec. The calls cover every kernel family the tuner offers for a fused conv, GEMM (plain
+and swapped), chain and shortcut, each with an epilogue, and the image conv (bare, and cast from autocast's fp32),
+with programmatic dependent launch on, as on a Hopper GPU, and the weight prefetch of the families that have one in
+their PTX."""
 import os
 import subprocess
 import sys
@@ -42,6 +42,8 @@ calls = [
     fused.call_of("conv2d", (x16, t(32, 16, 3, 3)), bn(32), BN, ([2, 2], [1, 1], [1, 1])),
     fused.call_of("conv2d", (t(2, 16, 4, 4), t(32, 16, 3, 3)), bn(32), BN, ([1, 1], [1, 1], [1, 1])),  # split-K
     fused.call_of("conv2d", (x64, t(64, 64, 1, 1)), [*bn(64), t(2, 64, 8, 8)], TAIL, ([1, 1], [0, 0], [1, 1])),
+    fused.call_of("conv2d", (t(1, 64, 7, 7), t(256, 64, 1, 1)), [*bn(256), t(1, 256, 7, 7)], TAIL,
+                  ([1, 1], [0, 0], [1, 1])),  # one image, few rows: swapped configs too
     fused.call_of("conv2d", (x16, t(16, 1, 3, 3)), bn(16), BN, ([1, 1], [1, 1], [1, 1])),  # depthwise
     fused.call_of("conv2d", (t(2, 3, 16, 16), t(32, 3, 3, 3)), bn(32), BN, ([2, 2], [1, 1], [1, 1])),  # image
     fused.call_of("gemm", (t(64, 64), t(128, 64).t()), [t(128)], "gelu(add(acc,c0))", ([64, 128],)),
@@ -50,6 +52,8 @@ calls = [
                         t(256, 64, 1, 1), bn(256), SHIFT, [2, 2]),
 ]
 launches = [f for call in calls for f in triton_launches(provider.candidates(call, "fast"))]
+swapped = [c for call in calls for c in provider.candidates(call, "fast") if c.config.get("swap")]
+assert len(swapped) >= 4, len(swapped)  # the bs1 conv's and the GEMM's
 image, out = t(2, 3, 16, 16, dtype=torch.float32), t(2, 64, 8, 8)
 launches.append(lambda: conv2d_image.image_conv(image, t(64, 3, 7, 7, dtype=torch.float32), (2, 2), (3, 3), out))
 specs = precompile.record(launches)

@@ -1,4 +1,6 @@
 """Conv2d fprop kernel numerics under the interpreter: epilogues, stride/padding/dilation, layouts, split-K."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -110,6 +112,45 @@ def test_1x1_conv_on_the_tma_mainloop(data, dtype, n, c8, k, hw, out_layout, spl
     assert (family, codegen.variant(str(tree), slots, out_tma)) in codegen._LOADED  # not the fallback
     acc = F.conv2d(x.double(), w.double())
     assert_close(epi.rows3(out, out.shape, 1), reference(acc, tree, operands, 1), dtype)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from(DTYPES), c=st.integers(1, 40), k=st.integers(1, 40),
+       hw=st.tuples(st.integers(1, 9), st.integers(1, 9)), split=st.sampled_from([1, 2, 3]),
+       out_layout=st.sampled_from([torch.channels_last, torch.contiguous_format]),
+       tile=st.sampled_from([(32, 16, 16), (16, 32, 16), (16, 16, 32)]))
+def test_swapped_1x1_conv_of_one_image(data, dtype, c, k, hw, split, out_layout, tile):
+    """ConvConfig.swap: a 1x1 stride-1 conv of one channels_last image as the transposed GEMM, the output channels
+    along the tile's rows; every epilogue against float64, into either output layout."""
+    tree, roles = data.draw(trees(aux=True))
+    x = torch.randn(1, c, *hw).to(dtype).contiguous(memory_format=torch.channels_last)
+    w = with_layout((torch.randn(k, c, 1, 1) / c ** 0.5).to(dtype), data.draw(st.sampled_from(
+        ["contiguous", "channels_last"])))
+    out_shape = [1, k, *hw]
+    layouts = data.draw(st.lists(st.integers(0, 2), min_size=len(roles), max_size=len(roles)))
+    operands = [make_operand(role, kind, out_shape, 1, dtype, lay) for (kind, role), lay in zip(roles, layouts)]
+    aux = poisoned_aux(tree, torch.empty(out_shape, dtype=dtype).contiguous(memory_format=out_layout))
+    out = torch.full(out_shape, float("nan"), dtype=dtype).contiguous(memory_format=out_layout)
+    cfg = launch.ConvConfig(*tile, group_m=2, split_k=split, num_warps=4, num_stages=2, swap=True)
+    launch.conv2d(x, w, operands, str(tree), [1, 1], [0, 0], [1, 1], out, cfg, aux=aux)
+    assert ("gemm", codegen.variant(str(tree), swap=True)) in codegen._LOADED
+    acc = F.conv2d(x.double(), w.double())
+    assert_close(epi.rows3(out, out.shape, 1), reference(acc, tree, operands, 1), dtype)
+    check_aux(aux, acc, tree, operands, 1, dtype)
+
+
+def test_a_swapped_conv_config_takes_one_image_and_a_plain_gemm_only():
+    cfg = launch.ConvConfig(16, 16, 16, 2, 1, False, 4, 2, swap=True)
+    cl = torch.channels_last
+    for x, w, padding in ((torch.randn(2, 8, 5, 5).contiguous(memory_format=cl), torch.randn(6, 8, 1, 1), 0),
+                          (torch.randn(1, 8, 5, 5).contiguous(memory_format=cl), torch.randn(6, 8, 3, 3), 1),
+                          (torch.randn(1, 8, 5, 5), torch.randn(6, 8, 1, 1), 0)):  # two images, 3x3, NCHW input
+        out = torch.empty(x.shape[0], 6, 5, 5).contiguous(memory_format=cl)
+        with pytest.raises(NotImplementedError):
+            launch.conv2d(x, w, [], "acc", [1, 1], [padding] * 2, [1, 1], out, cfg)
+    problem = launch.ConvProblem(1, 8, 6, 1, 1, 5, 5, 4, 1)
+    assert cfg.check(problem) and not cfg.check(dataclasses.replace(problem, n=2))
+    assert not cfg.check(dataclasses.replace(problem, r=3, s=3))
 
 
 def test_tma_conv_config_falls_back_where_the_conv_is_no_plain_gemm():

@@ -51,6 +51,40 @@ def test_gemm_epilogues(data, dtype, batch, m, n, k, a_cm, b_cm, split):
     check_aux(aux, acc, tree, operands, -1, dtype)
 
 
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from(DTYPES), m=st.integers(1, 70), n=st.integers(1, 70), k=st.integers(1, 90),
+       a_cm=st.booleans(), b_cm=st.booleans(), split=st.sampled_from([1, 2, 3]), out3=st.booleans(),
+       tile=st.sampled_from([(32, 16, 16), (16, 32, 16), (16, 16, 32)]))
+def test_swapped_gemm_epilogues(data, dtype, m, n, k, a_cm, b_cm, split, out3, tile):
+    """GemmConfig.swap: the product computed as its transpose, the output's channels along the tile's rows; every
+    epilogue reads its per-channel, per-sample and full operands with the tile's roles swapped (and writes the aux
+    output), into a [M, N] output or a [1, M, N] view, against float64."""
+    tree, roles = data.draw(trees(kinds=("c", "nc", "full") if out3 else ("c", "full"), aux=True))
+    a = _matrix([m, k], dtype, a_cm)
+    b = _matrix([k, n], dtype, b_cm) / k ** 0.5
+    out_shape = [1, m, n] if out3 else [m, n]
+    layouts = data.draw(st.lists(st.integers(0, 2), min_size=len(roles), max_size=len(roles)))
+    operands = [make_operand(role, kind, out_shape, -1, dtype, lay) for (kind, role), lay in zip(roles, layouts)]
+    aux = poisoned_aux(tree, torch.empty(out_shape, dtype=dtype))
+    out = torch.full(out_shape, float("nan"), dtype=dtype)
+    cfg = launch.GemmConfig(*tile, group_m=2, split_k=split, num_warps=4, num_stages=2, swap=True)
+    launch.gemm(a, b, operands, str(tree), out, cfg, aux=aux)
+    assert ("gemm", codegen.variant(str(tree), swap=True)) in codegen._LOADED
+    acc = (a.double() @ b.double()).reshape(out_shape)
+    assert_close(epi.rows3(out, out.shape, -1), reference(acc, tree, operands, -1), dtype)
+    check_aux(aux, acc, tree, operands, -1, dtype)
+
+
+def test_a_swapped_config_refuses_a_batched_product_or_an_output_of_several_samples():
+    a, b, cfg = torch.randn(6, 8), torch.randn(8, 4), launch.GemmConfig(16, 16, 16, swap=True)
+    with pytest.raises(NotImplementedError):
+        launch.gemm(a, b, [], "acc", torch.empty(2, 3, 4), cfg)  # [B, S, N]: two samples
+    with pytest.raises(NotImplementedError):
+        launch.gemm(torch.randn(2, 6, 8), b, [], "acc", torch.empty(2, 6, 4), cfg)
+    assert not cfg.check(GemmProblem(2, 6, 4, 8, 4, 1)) and cfg.check(GemmProblem(1, 6, 4, 8, 4, 1))
+    assert not launch.GemmConfig(16, 16, 16, swap=True, tma=True).check(GemmProblem(1, 6, 4, 8, 4, 1))
+
+
 def test_gemm_shared_b_across_batch():
     a = torch.randn(3, 20, 33)
     b = torch.randn(33, 17)

@@ -15,7 +15,9 @@ def gemm_call(a, b):
 
 def test_fast_level_offers_tma_variants_only_where_descriptors_can_read():
     aligned = gemm_call(torch.randn(100, 64).half(), torch.randn(96, 64).half().t())  # a linear layer's weight.T
-    offered = space.configs(aligned, "fast")
+    everything = space.configs(aligned, "fast")
+    offered = [c for c in everything if not c.swap]  # 100 rows: the swapped configs too, on pointers
+    assert [c for c in everything if c.swap] and not any(c.tma for c in everything if c.swap)
     # the fast tiles run on the TMA mainloop; only the heuristic default keeps its pointer twin
     assert [c.tma for c in offered].count(False) == 1 and not offered[0].tma and sum(c.tma for c in offered) >= 2
     assert sum(c.tma for c in offered) == len(offered) - 1
@@ -50,6 +52,37 @@ def test_stride_1_channels_last_convs_get_tma_variants_and_the_others_do_not():
         assert any(c.persistent for c in offered) == (call is one)
     assert not any(c.tma for c in space.configs(conv_call(x, w3, [1, 1], stride=2), "fast"))
     assert not any(c.tma for c in space.configs(conv_call(x.contiguous(), w3, [1, 1]), "fast"))
+
+
+def test_few_rows_of_one_sample_get_swapped_configs_and_the_others_do_not(monkeypatch):
+    """A 1x1 conv of one image of at most SWAP_ROWS pixels, or a 2-D product of that many rows, is also offered
+    swapped, in SWAP_TILES, split by the heuristic's rule (an H100's 132 SMs) and unsplit, all on pointers; two
+    images, more pixels, a 3x3 conv or a batched product are not (`none` never is)."""
+    monkeypatch.setattr(space, "sm_count", lambda device: 132)
+    def conv_call(x, w, padding=(0, 0)):
+        oh = x.shape[2] + 2 * padding[0] - w.shape[2] + 1
+        out = Output.of([x.shape[0], w.shape[0], oh, oh], x.dtype, x.device, torch.channels_last)
+        return Call("conv2d", (x, w), [], "acc", ([1, 1], list(padding), [1, 1]), out)
+
+    def image(n, c, hw):
+        return torch.randn(n, c, hw, hw).half().contiguous(memory_format=torch.channels_last)
+
+    w1 = torch.randn(512, 2048, 1, 1).half()
+    bs1 = conv_call(image(1, 2048, 7), w1)  # ResNet-50's layer 4 reduce at batch 1
+    swapped = [c for c in space.configs(bs1, "fast") if c.swap]
+    assert sorted((c.block_m, c.block_n, c.split_k) for c in swapped) == [(64, 16, 1), (64, 16, 4), (64, 32, 1),
+                                                                          (64, 32, 8)]
+    assert all(not (c.tma or c.persistent or c.tma_store) for c in swapped)
+    assert not any(c.swap for c in space.configs(bs1, "none"))
+    for other in (conv_call(image(2, 2048, 7), w1), conv_call(image(1, 2048, 17), w1),
+                  conv_call(image(1, 64, 7), torch.randn(64, 64, 3, 3).half().contiguous(
+                      memory_format=torch.channels_last), (1, 1))):
+        assert not any(c.swap for c in space.configs(other, "fast"))
+    assert any(c.swap for c in space.configs(gemm_call(torch.randn(49, 256).half(), torch.randn(256, 64).half()),
+                                             "fast"))
+    batched = Call("gemm", (torch.randn(2, 8, 64).half(), torch.randn(64, 64).half()), [], "acc", ([2, 8, 64],),
+                   Output.of([2, 8, 64], torch.half, torch.device("cpu")))
+    assert not any(c.swap for c in space.configs(batched, "fast"))
 
 
 def test_1x1_dgrads_get_tma_and_persistent_variants_and_the_others_do_not():
