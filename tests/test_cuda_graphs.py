@@ -39,8 +39,10 @@ class _FakeGraph:
 
 
 class _RecordCopies(torch.overrides.TorchFunctionMode):
+    """Records the copies made under a fake capture once the function captured has registered its work (it does
+    so last): a handout's copies of the function's outputs, not copies inside the function (its work redoes those)."""
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.copy_ and _FakeGraph.capturing is not None:
+        if func is torch.Tensor.copy_ and _FakeGraph.capturing is not None and _FakeGraph.capturing.work is not None:
             _FakeGraph.capturing.copies.append(args[:2])
         return func(*args, **(kwargs or {}))
 
