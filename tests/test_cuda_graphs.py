@@ -199,22 +199,29 @@ def test_by_default_only_inference_graphs_on_cuda_replay():
 def test_default_compile_replays_inference_and_returns_fresh_outputs(monkeypatch):
     """resfuse.compile(model) with no options: the inference graph replays through CudaGraphed, and each call's
     output is its own tensor, untouched by the next call, as in eager."""
-    from resfuse.capture import cuda_graphs
-
-    calls = []
-    real = cuda_graphs.CudaGraphed.__call__
-    monkeypatch.setattr(cuda_graphs.CudaGraphed, "__call__", lambda self, inputs: calls.append(1) or real(self, inputs))
-    torch.manual_seed(0)
-    block = Block().eval().cuda().half().to(memory_format=torch.channels_last)
-    torch._dynamo.reset()
-    compiled = resfuse.compile(block, tuning="none")
+    block, compiled, xs = _compiled_block(monkeypatch, 4)
     with torch.no_grad():
-        xs = [torch.randn(2, 8, 9, 7, device="cuda", dtype=torch.half).to(memory_format=torch.channels_last)
-              for _ in range(4)]
         outs = [compiled(x) for x in xs]
         for x, out in zip(xs, outs):
             assert rel(out.float(), block(x).float()) < 5e-3
-    assert len(calls) == 4 and len({o.data_ptr() for o in outs}) == 4
+    assert len(_COMPILED_CALLS) == 4 and len({o.data_ptr() for o in outs}) == 4
+
+
+_COMPILED_CALLS = []  # the CudaGraphed of each call of _compiled_block's model
+
+
+def _compiled_block(monkeypatch, inputs: int):
+    """(a fp16 channels_last Block, it under resfuse.compile with its defaults and no tuning, `inputs` inputs);
+    each call of the compiled Block's inference graph appends its CudaGraphed to _COMPILED_CALLS."""
+    _COMPILED_CALLS.clear()
+    real = CudaGraphed.__call__
+    monkeypatch.setattr(CudaGraphed, "__call__", lambda self, args: _COMPILED_CALLS.append(self) or real(self, args))
+    torch.manual_seed(0)
+    block = Block().eval().cuda().half().to(memory_format=torch.channels_last)
+    torch._dynamo.reset()
+    xs = [torch.randn(2, 8, 9, 7, device="cuda", dtype=torch.half).to(memory_format=torch.channels_last)
+          for _ in range(inputs)]
+    return block, resfuse.compile(block, tuning="none"), xs
 
 
 @pytest.mark.requires_cuda
@@ -223,16 +230,8 @@ def test_handed_out_outputs_match_eager_and_outlive_the_next_call(monkeypatch):
     """Real CUDA graphs under resfuse.compile: in a loop that holds the last output while it makes the next, two
     handout graphs alternate, each output matches eager, and the one held is untouched by the next call; dropped
     outputs free their handout, and outputs all kept are copies that later calls leave alone."""
-    seen = []
-    real = CudaGraphed.__call__
-    monkeypatch.setattr(CudaGraphed, "__call__", lambda self, inputs: seen.append(self) or real(self, inputs))
-    torch.manual_seed(0)
-    block = Block().eval().cuda().half().to(memory_format=torch.channels_last)
-    torch._dynamo.reset()
-    compiled = resfuse.compile(block, tuning="none")
+    block, compiled, xs = _compiled_block(monkeypatch, 8)
     with torch.no_grad():
-        xs = [torch.randn(2, 8, 9, 7, device="cuda", dtype=torch.half).to(memory_format=torch.channels_last)
-              for _ in range(8)]
         refs = [block(x) for x in xs]
         held = held_want = None
         for x, ref in zip(xs, refs):
@@ -241,7 +240,7 @@ def test_handed_out_outputs_match_eager_and_outlive_the_next_call(monkeypatch):
                 assert torch.equal(held, held_want)
             assert rel(out.float(), ref.float()) < 5e-3
             held, held_want = out, out.clone()
-        handouts = seen[-1].last.handouts
+        handouts = _COMPILED_CALLS[-1].last.handouts
         assert len(handouts) == 2 and sum(h.free() for h in handouts) == 1
         del held, out
         assert all(h.free() for h in handouts)
