@@ -4,6 +4,7 @@ import weakref
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import resfuse
 from resfuse.capture.cuda_graphs import CudaGraphed
@@ -605,3 +606,40 @@ def test_a_handout_copies_every_tensor_output_and_keeps_the_others(monkeypatch):
         held, want = out[2], x + w
         del out
     assert _FakeGraph.shared == 2
+
+
+@settings(max_examples=40, deadline=None)
+@given(keeps=st.lists(st.sampled_from(["drop", "tensor", "view", "storage"]), min_size=3, max_size=14),
+       data=st.data())
+def test_whatever_a_caller_keeps_no_later_call_overwrites(keeps, data):
+    """A random run of calls, each output dropped or kept (whole, as a view, or as its storage alone), and some kept
+    ones let go along the way: every call returns its own right values, and every output still kept reads at the end
+    what its call returned (fake CUDA graphs; outputs and inputs of distinct values a call)."""
+    mp = pytest.MonkeyPatch()
+    try:
+        _fake_cuda(mp)
+        wrapped, w = _OnCuda(_product([])), torch.randn(4)
+        xs = [torch.randn(3, 4) for _ in keeps]  # kept alive: no address is reused
+        kept = {}
+        for i, (x, keep) in enumerate(zip(xs, keeps)):
+            out = wrapped([x, w])[0]
+            assert torch.equal(out, x * w)
+            if keep == "tensor":
+                kept[i] = out
+            elif keep == "view":
+                kept[i] = out[1:]
+            elif keep == "storage":
+                kept[i] = out.untyped_storage()
+            del out
+            if kept and data.draw(st.booleans()):  # let go of the oldest output still kept
+                kept.pop(next(iter(kept)))
+        for i, held in kept.items():
+            want = xs[i] * w
+            if keeps[i] == "view":
+                assert torch.equal(held, want[1:])
+            elif keeps[i] == "storage":
+                assert torch.equal(torch.empty(0).set_(held, 0, (3, 4)), want)
+            else:
+                assert torch.equal(held, want)
+    finally:
+        mp.undo()
