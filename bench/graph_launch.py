@@ -9,9 +9,9 @@ and times graph.replay() on the host. Our kernels launch under programmatic depe
 runs with it off, to see whether PDL's graph edges cost the host (the forty-third session timed a ResNet-50 bs1
 replay at 36-148 us of host, ten times the per-node cost measured here before PDL). Then mixes of the kinds, and
 50 distinct compiled kernels in turn against one kernel 50 times: their rows are per round (one launch of each
-member), NODES rounds a graph. A model's graph costs 0.35-1.0 us a node (bench/replay_gaps.py); a kind alone here
-costs 0.03-0.14 (forty-fourth session), so the mixes ask whether mixing kinds, PDL edges or distinct kernel modules
-make a node dearer. bs1 MobileNet shapes (fp16, channels_last).
+member), NODES rounds a graph: do mixing kinds, PDL edges or distinct kernel modules make a node dearer? None
+did (forty-fourth session: 0.01-0.1 us a launch); the 0.35-1.0 us a node that bench/replay_gaps.py had timed in a
+model's graph were the host's slow windows. bs1 MobileNet shapes (fp16, channels_last).
 """
 import argparse
 import json

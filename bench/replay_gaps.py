@@ -62,14 +62,11 @@ def split_us(fn, x, calls=50) -> dict:
     return {"before": med(0), "inside": med(1), "after": med(2), "whole": med(3), "calls split": len(parts)}
 
 
-def first_graphed() -> CudaGraphed:
-    """The first CudaGraphed among live objects that has captured a graph."""
-    def graphed(obj) -> bool:
-        try:
-            return isinstance(obj, CudaGraphed) and bool(obj.captures)
-        except ReferenceError:  # a weakref proxy whose object is gone
-            return False
-    return next(o for o in gc.get_objects() if graphed(o))
+def _is_graphed(obj) -> bool:
+    try:
+        return isinstance(obj, CudaGraphed) and bool(obj.captures)
+    except ReferenceError:  # a weakref proxy whose object is gone
+        return False
 
 
 def step_us(calls=50) -> dict:
@@ -79,7 +76,7 @@ def step_us(calls=50) -> dict:
     from resfuse.capture import cuda_graphs
     from resfuse.capture.cuda_graphs import _masked, same_addresses, _signature
 
-    graphed = first_graphed()
+    graphed = next(o for o in gc.get_objects() if _is_graphed(o))
     cap = next(iter(graphed.captures.values()))
     args = tuple(cap.static)
     print("replays:", cap.replays(args), "C++ address check:",

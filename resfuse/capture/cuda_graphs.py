@@ -207,7 +207,7 @@ class CudaGraphed:
         from ..kernels import split_k  # not at import, as below
         from ..providers.fold_bn import FoldWatch, recording_folds  # not at import: it would import the kernels
 
-        cap.handouts, cap.handouts_refused = [], None  # they replay the graph this one replaces
+        cap.handouts = []  # they replay the graph this one replaces
         cap.copied = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and ptrs[i] != cap.first_ptrs[i]]
         copied = set(cap.copied)
         cap.static = [a.clone() if i in copied else a for i, a in enumerate(args)]

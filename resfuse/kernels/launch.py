@@ -115,7 +115,7 @@ def _gemm_plan(a, b, operands, signature, out, config) -> Plan | None:
     if cfg.swap:
         if a.dim() != 2 or b.dim() != 2 or rps != m:
             raise NotImplementedError("a swapped config runs a 2-D product whose output is one sample")
-        return _swapped_plan((a, b), (a, b), operands, signature, out, -1, cfg, s_om, s_on)
+        return _swapped_plan((a, b), operands, signature, out, -1, cfg, s_om, s_on)
     split = _split(cfg.split_k)
     tiles_mn = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     if cfg.tma and tma_operands(a, b) is not None:
@@ -131,15 +131,15 @@ def _gemm_plan(a, b, operands, signature, out, config) -> Plan | None:
                 row_blocks=batch * triton.cdiv(m, cfg.block_m))
 
 
-def _swapped_plan(matrices, inputs, operands, signature, out, channel_dim, cfg, s_row, s_col) -> Plan:
-    """The plan of a product A [M, K] @ B [K, N] (`matrices`, views of `inputs`) computed as its transpose, out^T =
-    B^T A^T, on the GEMM's pointer mainloop (GemmConfig.swap, ConvConfig.swap). For few rows (a 1x1 conv at batch
-    1: ResNet-50's layer 4 has 49 pixels), tiles of 32 or 64 rows waste most of each MMA; swapped, the weight's
-    output channels fill the tile's rows and the pixels its columns (16 to 64). bench/swap_ab.py measured such
-    tiles 0.14-1.04 us faster than the plain ones of the same kernel on ResNet-50's bs1 1x1 convs (H100, forty-fourth
-    session). The epilogue reads its operands with the tile's roles swapped (codegen's swap); s_row and s_col are
-    out's strides along the product's rows and columns. The kernel takes `inputs` swapped, as pointers: the
-    matrices are views of them at their offsets."""
+def _swapped_plan(matrices, operands, signature, out, channel_dim, cfg, s_row, s_col) -> Plan:
+    """The plan of a product A [M, K] @ B [K, N] (`matrices`, views of the call's two inputs) computed as its
+    transpose, out^T = B^T A^T, on the GEMM's pointer mainloop (GemmConfig.swap, ConvConfig.swap). For few rows (a
+    1x1 conv at batch 1: ResNet-50's layer 4 has 49 pixels), tiles of 32 or 64 rows waste most of each MMA; swapped,
+    the weight's output channels fill the tile's rows and the pixels its columns (16 to 64). bench/swap_ab.py
+    measured such tiles 0.14-1.04 us faster than the plain ones of the same kernel on ResNet-50's bs1 1x1 convs
+    (H100, forty-fourth session). The epilogue reads its operands with the tile's roles swapped (codegen's swap);
+    s_row and s_col are out's strides along the product's rows and columns. The kernel takes the call's inputs
+    swapped, as pointers: the matrices are views of them at their offsets."""
     a, b = matrices
     if epi.stats_node(epi.parse(signature)) is not None:
         raise NotImplementedError("a swapped tile sums no statistics")
@@ -278,7 +278,7 @@ def _conv_plan(x, w, operands, signature, stride, padding, dilation, out, config
     if cfg.swap:
         if nb != 1 or not is_gemm_conv(x, w, stride, padding, out.stride()):
             raise NotImplementedError("a swapped config runs a 1x1, stride-1 conv of one channels_last image")
-        return _swapped_plan(gemm_views(x, w), (x, w), operands, signature, out, 1, cfg, s_ow, s_ok)
+        return _swapped_plan(gemm_views(x, w), operands, signature, out, 1, cfg, s_ow, s_ok)
     if cfg.tma and conv_as_gemm(x, w, stride, padding, out.stride()) is not None:  # a 1x1 conv as a GEMM
         return _tma_plan(gemm_views, (x, w), operands, signature, out, 1, cfg, split, tiles,
                          (oh * ow, s_on, s_ow, s_ok))
