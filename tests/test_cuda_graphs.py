@@ -4,11 +4,11 @@ import weakref
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
 
 import resfuse
 from resfuse.capture.cuda_graphs import CudaGraphed
 
+from .fake_graphs import FakeGraph, OnCudaGraphed, fake_cuda, product
 from .test_api import Block, rel
 
 
@@ -19,89 +19,15 @@ def test_cpu_inputs_run_the_function_as_it_is():
     assert torch.equal(wrapped([x])[0], x * 2) and len(seen) == 1 and wrapped.graph is None
 
 
-class _FakeGraph:
-    """Stands in for torch.cuda.CUDAGraph on CPU: the function under capture registers how to recompute its
-    output in place from the static inputs, and the copies made under capture (a handout's) are recorded, which
-    is what replaying a real graph does. `made` counts captures of a graph of its own memory pool, `shared` those
-    sharing another's (handouts)."""
-    capturing = None
-    made = shared = 0
-
-    def __init__(self):
-        self.work, self.copies = None, []
-
-    def replay(self):
-        self.work()
-        for dst, src in self.copies:
-            dst.copy_(src)
-
-    def pool(self):
-        return id(self)
-
-
-class _RecordCopies(torch.overrides.TorchFunctionMode):
-    """Records the copies made under a fake capture once the function captured has registered its work (it does
-    so last): a handout's copies of the function's outputs, not copies inside the function (its work redoes those)."""
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.copy_ and _FakeGraph.capturing is not None and _FakeGraph.capturing.work is not None:
-            _FakeGraph.capturing.copies.append(args[:2])
-        return func(*args, **(kwargs or {}))
-
-
-def _fake_cuda(monkeypatch):
-    import contextlib
-
-    class Stream:
-        def wait_stream(self, other):
-            pass
-
-    @contextlib.contextmanager
-    def graph(g, pool=None):
-        if pool is None:
-            _FakeGraph.made += 1
-        else:
-            _FakeGraph.shared += 1
-        _FakeGraph.capturing = g
-        with _RecordCopies():
-            yield
-        _FakeGraph.capturing = None
-
-    monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", graph)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    _FakeGraph.made = _FakeGraph.shared = 0
-
-
-def _product(calls: list, replay_adds=lambda batch: 0.0):
-    """fn([x, w]) = [x * w], recording each call's batch; under a fake capture its graph recomputes x * w plus
-    replay_adds(batch) in place (not zero: a graph that replays wrong)."""
-    def fn(args):
-        x, w = args
-        calls.append(x.shape[0])
-        out = x * w
-        if _FakeGraph.capturing is not None:
-            extra = replay_adds(x.shape[0])
-            _FakeGraph.capturing.work = lambda: out.copy_(x * w + extra)
-        return [out]
-    return fn
-
-
 def test_each_input_signature_keeps_its_graph(monkeypatch):
     """A dynamic batch alternating between sizes replays each size's graph without capturing again; past
     MAX_SIGNATURES the least recently used graph goes; a moved parameter re-captures (fake CUDA graphs)."""
-    _fake_cuda(monkeypatch)
+    fake_cuda(monkeypatch)
     calls = []
-    fn = _product(calls)
+    fn = product(calls)
 
-    class OnCuda(CudaGraphed):
+    class OnCuda(OnCudaGraphed):
         MAX_SIGNATURES = 2
-
-        @staticmethod
-        def _on_cuda(args):
-            return True
 
     wrapped, w = OnCuda(fn), torch.randn(4)
     # every input kept alive: a freed one's address may come back for the next (the allocator's choice), and
@@ -111,47 +37,42 @@ def test_each_input_signature_keeps_its_graph(monkeypatch):
         x = torch.randn(2 + step % 2, 4)
         kept.append(x)
         assert torch.equal(wrapped([x, w])[0], x * w)
-    assert _FakeGraph.made == 2 and len(wrapped.captures) == 2
+    assert FakeGraph.made == 2 and len(wrapped.captures) == 2
     ran = len(calls)
     for step in range(4):
         x = torch.randn(2 + step % 2, 4)
         kept.append(x)
         assert torch.equal(wrapped([x, w])[0], x * w)
-    assert len(calls) == ran and _FakeGraph.made == 2  # replays: the function itself never ran again
+    assert len(calls) == ran and FakeGraph.made == 2  # replays: the function itself never ran again
     x5 = torch.randn(5, 4)
     wrapped([x5, w])  # a third size: the least recently used (batch 2) goes
     assert {sig[0][0][0] for sig in wrapped.captures} == {3, 5}
     w2 = torch.randn(4)  # a parameter that moved: batch 3 captures again, and reads the new one
     x3 = torch.randn(3, 4)
     wrapped([x3, w2])
-    assert torch.equal(wrapped([x3, w2])[0], x3 * w2) and _FakeGraph.made == 3
+    assert torch.equal(wrapped([x3, w2])[0], x3 * w2) and FakeGraph.made == 3
 
 
 def test_a_replay_checks_addresses_and_scalars_not_only_objects(monkeypatch):
     """The fast path compares input objects, then addresses: a parameter whose storage was swapped under the
     same object (`p.data = ...`) captures again and reads the new values; a scalar input (a dynamic size)
     that changed is not replayed with the old one's graph (fake CUDA graphs)."""
-    _fake_cuda(monkeypatch)
+    fake_cuda(monkeypatch)
 
     def fn(args):
         x, w, k = args
         out = x * w * k
-        if _FakeGraph.capturing is not None:
-            _FakeGraph.capturing.work = lambda: out.copy_(x * w * k)
+        if FakeGraph.capturing is not None:
+            FakeGraph.capturing.work = lambda: out.copy_(x * w * k)
         return [out]
 
-    class OnCuda(CudaGraphed):
-        @staticmethod
-        def _on_cuda(args):
-            return True
-
-    wrapped, w = OnCuda(fn), torch.nn.Parameter(torch.randn(4), requires_grad=False)
+    wrapped, w = OnCudaGraphed(fn), torch.nn.Parameter(torch.randn(4), requires_grad=False)
     xs = [torch.randn(2, 4) for _ in range(6)]  # kept alive: no address is reused for another input
     for x in xs[:3]:
         assert torch.equal(wrapped([x, w, 2])[0], x * w * 2)
-    assert _FakeGraph.made == 1
+    assert FakeGraph.made == 1
     w.data = torch.randn(4)  # same object, new storage
-    assert torch.equal(wrapped([xs[3], w, 2])[0], xs[3] * w * 2) and _FakeGraph.made == 2
+    assert torch.equal(wrapped([xs[3], w, 2])[0], xs[3] * w * 2) and FakeGraph.made == 2
     assert torch.equal(wrapped([xs[4], w, 3])[0], xs[4] * w * 3)  # another scalar: another signature
     assert torch.equal(wrapped([xs[5], w, 2])[0], xs[5] * w * 2)
 
@@ -326,21 +247,16 @@ def test_a_refused_graph_runs_as_it_is_and_its_backward_follows_its_forward():
 def test_a_view_at_a_read_in_place_address_does_not_replay_the_wrong_graph(monkeypatch):
     """An input passed as the same tensor twice is read in place; a narrower view of its buffer later has the
     same address but another shape: it must get its own graph, not the first one's replay."""
-    _fake_cuda(monkeypatch)
+    fake_cuda(monkeypatch)
 
     def fn(args):
         (x,) = args
         out = x * 2
-        if _FakeGraph.capturing is not None:
-            _FakeGraph.capturing.work = lambda: out.copy_(x * 2)
+        if FakeGraph.capturing is not None:
+            FakeGraph.capturing.work = lambda: out.copy_(x * 2)
         return [out]
 
-    class OnCuda(CudaGraphed):
-        @staticmethod
-        def _on_cuda(args):
-            return True
-
-    wrapped, buf = OnCuda(fn), torch.randn(4, 3)
+    wrapped, buf = OnCudaGraphed(fn), torch.randn(4, 3)
     for _ in range(3):
         assert torch.equal(wrapped([buf])[0], buf * 2)
     view = buf[:2]
@@ -457,19 +373,14 @@ def test_a_graph_that_does_not_reproduce_its_warm_up_is_dropped(monkeypatch):
     still replays (fake CUDA graphs)."""
     from resfuse.capture.cuda_graphs import mismatch
 
-    _fake_cuda(monkeypatch)
+    fake_cuda(monkeypatch)
     calls = []
-    fn = _product(calls, replay_adds=lambda batch: 1.0 if batch == 3 else 0.0)  # batch 3's graph replays wrong
-
-    class OnCuda(CudaGraphed):
-        @staticmethod
-        def _on_cuda(args):
-            return True
+    fn = product(calls, replay_adds=lambda batch: 1.0 if batch == 3 else 0.0)  # batch 3's graph replays wrong
 
     class Report:
         errors = []
 
-    wrapped, w = OnCuda(fn, Report), torch.randn(4)
+    wrapped, w = OnCudaGraphed(fn, Report), torch.randn(4)
     kept = []
     for step in range(8):  # batch 2 and 3 in turn: first calls, captures, then replays (2) or plain calls (3)
         x = torch.randn(2 + step % 2, 4)
@@ -487,159 +398,3 @@ def test_a_graph_that_does_not_reproduce_its_warm_up_is_dropped(monkeypatch):
     assert "infinity" in mismatch([torch.tensor([1.0, inf])], [torch.tensor([1.0, -inf])])
     assert "infinity" in mismatch([torch.tensor([1.0, inf])], [torch.tensor([1.0, 3.0])])
     assert "relative error" in mismatch([torch.tensor([1.0, inf])], [torch.tensor([2.0, inf])])
-
-
-class _OnCuda(CudaGraphed):
-    @staticmethod
-    def _on_cuda(args):
-        return True
-
-
-def test_outputs_are_handed_out_only_while_the_caller_holds_none_of_them(monkeypatch):
-    """A call returns a handout graph's buffers only where nothing the caller holds reads them: dropped outputs let
-    one handout serve every call; `out = model(x)` holds one output while it makes the next, and two alternate; a
-    caller that keeps every output, or only a view of one, or only its storage, gets outputs that later calls never
-    overwrite (fake CUDA graphs; every input kept alive, so no address is reused)."""
-    _fake_cuda(monkeypatch)
-    calls, w = [], torch.randn(4)
-    xs = [torch.randn(3, 4) for _ in range(30)]
-    wrapped = _OnCuda(_product(calls))
-    for x in xs[:6]:  # the first call, the capture, then replays whose outputs are dropped at once
-        assert torch.equal(wrapped([x, w])[0], x * w)
-    assert (_FakeGraph.made, _FakeGraph.shared, len(calls)) == (1, 1, 4)  # fn: first call, warm-up, 2 captures
-
-    held, want = wrapped([xs[6], w])[0], xs[6] * w
-    for x in xs[7:12]:  # `out = model(x)`: the last output is held during the call
-        out = wrapped([x, w])[0]
-        assert torch.equal(held, want) and torch.equal(out, x * w)
-        held, want = out, x * w
-    assert (_FakeGraph.made, _FakeGraph.shared, len(calls)) == (1, 2, 5)
-
-    del held, out
-    view = wrapped([xs[12], w])[0][1:]  # one handout read through a view only
-    out = wrapped([xs[13], w])[0]  # the other through its storage only
-    storage, want_storage = out.untyped_storage(), out.clone()
-    del out
-    kept = [wrapped([x, w])[0] for x in xs[14:20]]  # neither is free: outputs copied, every one kept
-    for x in xs[20:26]:
-        assert torch.equal(wrapped([x, w])[0], x * w)
-    assert all(torch.equal(k, x * w) for k, x in zip(kept, xs[14:20]))
-    assert torch.equal(view, (xs[12] * w)[1:])
-    assert torch.equal(torch.empty(0).set_(storage, 0, (3, 4)), want_storage)
-    assert (_FakeGraph.made, _FakeGraph.shared, len(calls)) == (1, 2, 5)  # no more captures, no plain calls
-    del kept, view, storage
-    for x in xs[26:]:  # everything dropped: the handouts serve again
-        assert torch.equal(wrapped([x, w])[0], x * w)
-    assert all(h.free() for h in wrapped.last.handouts)
-
-
-def test_a_handout_that_does_not_reproduce_the_first_graph_is_dropped(monkeypatch):
-    """A handout graph whose replay differs from the first graph's on the same inputs never serves a call: the
-    signature's calls copy the first graph's outputs instead, said in the report's errors (fake CUDA graphs)."""
-    _fake_cuda(monkeypatch)
-    captures = []
-
-    def fn(args):
-        x, w = args
-        out = x * w
-        if _FakeGraph.capturing is not None:
-            captures.append(1)
-            extra = 1.0 if len(captures) == 2 else 0.0  # the second capture, the first handout, replays wrong
-            _FakeGraph.capturing.work = lambda: out.copy_(x * w + extra)
-        return [out]
-
-    class Report:
-        errors = []
-
-    wrapped, w = _OnCuda(fn, Report), torch.randn(4)
-    xs = [torch.randn(3, 4) for _ in range(6)]
-    for x in xs:
-        assert torch.equal(wrapped([x, w])[0], x * w)
-    assert len(Report.errors) == 1 and "copies its outputs out" in Report.errors[0]
-    assert wrapped.last.handouts == [] and _FakeGraph.shared == 1
-
-
-def test_outputs_over_the_handout_size_are_copied_after_each_replay(monkeypatch):
-    """A signature whose outputs pass HANDOUT_BYTES captures no handout graph: its calls replay the first graph and
-    copy the outputs out, every one right; a smaller signature of the same function still hands out (fake CUDA
-    graphs)."""
-    from resfuse.capture.cuda_graphs import handout_refusal
-
-    _fake_cuda(monkeypatch)
-    calls = []
-
-    class Small(_OnCuda):
-        HANDOUT_BYTES = 3 * 4 * 4  # a [3, 4] fp32 output fits, a [5, 4] one does not
-
-    wrapped, w = Small(_product(calls)), torch.randn(4)
-    kept = []
-    for rows in (5, 5, 5, 5, 3, 3, 3, 3):
-        x = torch.randn(rows, 4)
-        kept.append(x)
-        assert torch.equal(wrapped([x, w])[0], x * w)
-    refused = {sig[0][0][0]: cap.handouts_refused for sig, cap in wrapped.captures.items()}
-    assert refused[5] == "outputs of 80 bytes, over 48" and refused[3] is None
-    assert (_FakeGraph.made, _FakeGraph.shared) == (2, 1)
-    assert handout_refusal([torch.empty(2), None, 3], 8) is None
-
-
-def test_a_handout_copies_every_tensor_output_and_keeps_the_others(monkeypatch):
-    """Outputs of several tensors and a non-tensor: a handout copies each tensor into its own buffer and returns
-    the non-tensor as it is; an output kept holds its handout whole (fake CUDA graphs)."""
-    _fake_cuda(monkeypatch)
-
-    def fn(args):
-        x, w = args
-        prod, total = x * w, x + w
-        if _FakeGraph.capturing is not None:
-            _FakeGraph.capturing.work = lambda: (prod.copy_(x * w), total.copy_(x + w))
-        return [prod, None, total]
-
-    wrapped, w = _OnCuda(fn), torch.randn(4)
-    xs = [torch.randn(3, 4) for _ in range(8)]
-    held = want = None
-    for x in xs:
-        out = wrapped([x, w])
-        assert out[1] is None and torch.equal(out[0], x * w) and torch.equal(out[2], x + w)
-        if held is not None:  # only the second tensor of the last call's outputs is held: its handout is not free
-            assert torch.equal(held, want)
-        held, want = out[2], x + w
-        del out
-    assert _FakeGraph.shared == 2
-
-
-@settings(max_examples=40, deadline=None)
-@given(keeps=st.lists(st.sampled_from(["drop", "tensor", "view", "storage"]), min_size=3, max_size=14),
-       data=st.data())
-def test_whatever_a_caller_keeps_no_later_call_overwrites(keeps, data):
-    """A random run of calls, each output dropped or kept (whole, as a view, or as its storage alone), and some kept
-    ones let go along the way: every call returns its own right values, and every output still kept reads at the end
-    what its call returned (fake CUDA graphs; outputs and inputs of distinct values a call)."""
-    mp = pytest.MonkeyPatch()
-    try:
-        _fake_cuda(mp)
-        wrapped, w = _OnCuda(_product([])), torch.randn(4)
-        xs = [torch.randn(3, 4) for _ in keeps]  # kept alive: no address is reused
-        kept = {}
-        for i, (x, keep) in enumerate(zip(xs, keeps)):
-            out = wrapped([x, w])[0]
-            assert torch.equal(out, x * w)
-            if keep == "tensor":
-                kept[i] = out
-            elif keep == "view":
-                kept[i] = out[1:]
-            elif keep == "storage":
-                kept[i] = out.untyped_storage()
-            del out
-            if kept and data.draw(st.booleans()):  # let go of the oldest output still kept
-                kept.pop(next(iter(kept)))
-        for i, held in kept.items():
-            want = xs[i] * w
-            if keeps[i] == "view":
-                assert torch.equal(held, want[1:])
-            elif keeps[i] == "storage":
-                assert torch.equal(torch.empty(0).set_(held, 0, (3, 4)), want)
-            else:
-                assert torch.equal(held, want)
-    finally:
-        mp.undo()

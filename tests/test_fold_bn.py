@@ -113,11 +113,10 @@ def test_a_fold_that_overflows_runs_unfolded_and_its_graph_is_captured_again(mon
     folded_call gives None, the graph's FoldWatch says so before the replay, and CudaGraphed captures again
     with the conv unfolded, which then follows the parameters in place (fake CUDA graphs; the folded call's
     arithmetic on ATen stands in for cuDNN's on CPU)."""
-    from resfuse.capture.cuda_graphs import CudaGraphed
     from resfuse.providers import aten
-    from tests.test_cuda_graphs import _fake_cuda, _FakeGraph
+    from tests.fake_graphs import FakeGraph, OnCudaGraphed, fake_cuda
 
-    _fake_cuda(monkeypatch)
+    fake_cuda(monkeypatch)
     torch.manual_seed(7)
     x, w, vecs = torch.randn(2, 3, 4, 4), torch.randn(5, 3, 1, 1).half(), bn_vectors(5)
     params, out = ([1, 1], [0, 0], [1, 1]), Output.of([2, 5, 4, 4], torch.float32, torch.device("cpu"))
@@ -135,26 +134,21 @@ def test_a_fold_that_overflows_runs_unfolded_and_its_graph_is_captured_again(mon
             return torch.relu(acc + folded.operands[4].view(1, -1, 1, 1))
 
         got = run()
-        if _FakeGraph.capturing is not None:
-            _FakeGraph.capturing.work = lambda: got.copy_(run())
+        if FakeGraph.capturing is not None:
+            FakeGraph.capturing.work = lambda: got.copy_(run())
         return [got]
-
-    class OnCuda(CudaGraphed):
-        @staticmethod
-        def _on_cuda(args):
-            return True
 
     def want():
         return _reference64(x, w, vecs, BN_RELU, params, out)
 
-    graphed = OnCuda(fn)
+    graphed = OnCudaGraphed(fn)
     for _ in range(3):  # eager; warm-up, capture and a handout's; the next handout's (the last output is held)
         got = graphed([x, w, *vecs])[0]
-    assert _FakeGraph.made == 1 and folded_runs == [True] * 5 and rel(got, want()) < 4e-3
+    assert FakeGraph.made == 1 and folded_runs == [True] * 5 and rel(got, want()) < 4e-3
     with torch.no_grad():
         vecs[2].mul_(1e5)
     got = graphed([x, w, *vecs])[0]
-    assert _FakeGraph.made == 2 and folded_runs[5:] == [False] * 3  # captured again (warm-up, capture, a handout)
+    assert FakeGraph.made == 2 and folded_runs[5:] == [False] * 3  # captured again (warm-up, capture, a handout)
     assert "overflows" in capsys.readouterr().out
     assert torch.isfinite(got).all() and rel(got, want()) < 1e-5
     # The provider's own fallback, ATen: a scale of 1e5 overflows the fp16 folded weight, not this output.
@@ -165,7 +159,7 @@ def test_a_fold_that_overflows_runs_unfolded_and_its_graph_is_captured_again(mon
     with torch.no_grad():
         vecs[2].div_(1e5)
     got = graphed([x, w, *vecs])[0]  # the unfolded graph's handout (free: got was reassigned) replays, reading the
-    assert _FakeGraph.made == 2 and len(folded_runs) == 8 and rel(got, want()) < 4e-3  # parameters in place
+    assert FakeGraph.made == 2 and len(folded_runs) == 8 and rel(got, want()) < 4e-3  # parameters in place
 
 
 def _reference64(x, w, ops, sig, params, out):
