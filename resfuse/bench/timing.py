@@ -1,7 +1,8 @@
 """How one peer is measured: first-call time, steady-state latency, numerics against eager, top kernels.
 
 Entry points: `input_sets`, then for each peer `measure` (`first_call`, `output_error`, `latency`, and the
-error of a timed call), and with --profile `kernels`. run.py and bench/ab.py call them.
+error of a timed call), and with --profile `kernels`. run.py and bench/ab.py call them; the bench scripts also
+`host_us` (the host's time a call) and `gpu_us` (the GPU's, calls queued behind a sleep).
 
 Latency on CUDA is timed with CUDA events around each call, after a warm-up, as the median of many calls;
 the inputs rotate among several preallocated sets so that no call finds its input already in L2 from the
@@ -156,6 +157,30 @@ def host_us(fn: Callable, inputs: tuple, device: torch.device, calls: int = 50) 
             times.append(time.perf_counter() - t0)
     _sync(device)
     return sorted(times)[len(times) // 2] * 1e6
+
+
+def gpu_us(fn: Callable, sets: list[tuple], calls: int = 20, sleep_cycles: int = 40_000_000) -> float:
+    """GPU time of one call in us, the host's pace left out: the calls are queued behind a sleep kernel and run
+    back to back once it ends, timed by two CUDA events. Where the host enqueued slower than the sleep lasted
+    (the GPU caught up), the sleep doubles and the calls run again. A noisy host moves latency() (each call's
+    events wrap its host work too), not this."""
+    with torch.no_grad():
+        for _ in range(8):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(sleep_cycles)
+            gate, start, end = torch.cuda.Event(), torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                enable_timing=True)
+            gate.record()
+            start.record()
+            for i in range(calls):
+                fn(*sets[i % len(sets)])
+            end.record()
+            caught_up = gate.query()
+            torch.cuda.synchronize()
+            if not caught_up:
+                return start.elapsed_time(end) / calls * 1e3
+            sleep_cycles *= 2
+    raise RuntimeError(f"the host never enqueued {calls} calls within a sleep of {sleep_cycles // 2} cycles")
 
 
 def _cuda_event_times(fn: Callable, sets: list[tuple], iters: int) -> list[float]:
