@@ -41,6 +41,9 @@ def table(result: dict) -> Table:
                     f"on {result['device_name']} — floor {_fmt(floor_ms, '.3f')} ms")
     t.add_column("peer")
     t.add_column("ms (median)", justify="right")
+    gpu = any(p.get("gpu_ms") is not None for p in result["peers"].values())  # CUDA: the GPU's part beside it
+    if gpu:
+        t.add_column("GPU ms", justify="right")
     t.add_column("items/s", justify="right")
     t.add_column("× floor", justify="right")
     for v in variants:
@@ -56,7 +59,8 @@ def table(result: dict) -> Table:
             t.add_row(name, f"[red]{peer['status']}[/red]: {peer['error'][:60]}")
             continue
         speedups = [_fmt(peer["speedup_of_resfuse"].get(v), ".2f") + "×" for v in variants]
-        t.add_row(name, _fmt(peer["latency_ms"], ".3f"), _fmt(peer["throughput_items_per_s"], ",.0f"),
+        t.add_row(name, _fmt(peer["latency_ms"], ".3f"), *[_fmt(peer.get("gpu_ms"), ".3f")] * gpu,
+                  _fmt(peer["throughput_items_per_s"], ",.0f"),
                   _fmt(peer["latency_ms"] / floor_ms if floor_ms else None, ".2f"), *speedups,
                   _fmt(peer["compile_s"], ".1f"), _fmt(peer["max_rel_err"], ".1e"),
                   _fmt(peer["max_abs_err"], ".1e"), *[_fmt(peer.get("fp32_rel_err"), ".1e")] * wide)

@@ -33,7 +33,9 @@ JSON schema ("schema": "resfuse-bench/1"); every time is the median unless its n
                 beside eager_fp32_rel_err it says whether a peer is further from the exact answer than eager),
                 err_bound, within_bound (resfuse peers only: the dtype's tolerance, or twice the closest compiled
                 peer's error or eager_fp32_rel_err, whichever is largest, and whether max_rel_err stays within it),
-                speedup_of_resfuse {resfuse variant: this peer's latency / the variant's latency},
+                gpu_ms (CUDA only, else null: the GPU's time a call with the host's pace left out, calls
+                queued behind a sleep; latency_ms above it means the host set the pace, as at batch 1 on a
+                busy host), speedup_of_resfuse {resfuse variant: this peer's latency / the variant's latency},
                 paths {path: calls} (resfuse peers only: which implementation ran, e.g. triton, reference)}}
   eager_fp32_rel_err float | null (eager's first output against the model run in fp32 with TF32 off: the error the
                    dtype alone gives this model; null for an fp32 model)
@@ -216,6 +218,7 @@ def _measure(name, model, sets, references, device, iters, args, result) -> dict
         fn = _build(name, model)
         m = timing.measure(fn, sets, refs, late_refs, device, iters)
         off_fp32 = None if wide is None else timing.output_error(m.outs, wide)[0]
+        gpu_ms = _gpu_ms(fn, sets) if device.type == "cuda" else None
         if args.profile and name in PROFILED:
             result["profile"][name] = timing.kernels(fn, sets, device)
     except Exception as e:  # a peer that fails to compile or run is a result, not the end of the run
@@ -229,7 +232,7 @@ def _measure(name, model, sets, references, device, iters, args, result) -> dict
         "compile_s": m.first_s, "x_floor": lat.median_ms / result["floor"]["ms"] if result["floor"]["ms"] else None,
         "max_rel_err": m.rel_err, "max_abs_err": m.abs_err, "first_rel_err": m.first_err[0],
         "late_rel_err": m.late_err[0],
-        "fp32_rel_err": off_fp32,
+        "fp32_rel_err": off_fp32, "gpu_ms": gpu_ms,
         "speedup_of_resfuse": {},
     }
     if name.startswith("resfuse"):
@@ -237,6 +240,18 @@ def _measure(name, model, sets, references, device, iters, args, result) -> dict
         entry["paths"] = {p: after.get(p, 0) - paths_before.get(p, 0) for p in after
                           if after.get(p, 0) != paths_before.get(p, 0)}
     return entry
+
+
+def _gpu_ms(fn, sets: list[tuple], repeats: int = 5) -> float | None:
+    """The median of `repeats` GPU times a call (timing.gpu_us), in ms, over 20 calls queued, or 4 or 1 where the
+    GPU's launch queue cannot hold 20 (eager launches hundreds of kernels a call); None for a peer whose calls
+    wait on the GPU (a sync inside the call), which never lets the host run ahead."""
+    for calls in (20, 4, 1):
+        try:
+            return sorted(timing.gpu_us(fn, sets, calls) for _ in range(repeats))[repeats // 2] / 1e3
+        except RuntimeError:
+            continue
+    return None
 
 
 def _paths() -> dict[str, int]:

@@ -159,13 +159,14 @@ def host_us(fn: Callable, inputs: tuple, device: torch.device, calls: int = 50) 
     return sorted(times)[len(times) // 2] * 1e6
 
 
-def gpu_us(fn: Callable, sets: list[tuple], calls: int = 20, sleep_cycles: int = 40_000_000) -> float:
+def gpu_us(fn: Callable, sets: list[tuple], calls: int = 20, sleep_cycles: int = 40_000_000, tries: int = 4) -> float:
     """GPU time of one call in us, the host's pace left out: the calls are queued behind a sleep kernel and run
     back to back once it ends, timed by two CUDA events. Where the host enqueued slower than the sleep lasted
-    (the GPU caught up), the sleep doubles and the calls run again. A noisy host moves latency() (each call's
-    events wrap its host work too), not this."""
+    (the GPU caught up), the sleep doubles and the calls run again, `tries` times in all; then RuntimeError (a
+    call that waits on the GPU, or more launches than the GPU's queue holds: try fewer calls). A noisy host moves
+    latency() (each call's events wrap its host work too), not this."""
     with torch.no_grad():
-        for _ in range(8):
+        for _ in range(tries):
             torch.cuda.synchronize()
             torch.cuda._sleep(sleep_cycles)
             gate, start, end = torch.cuda.Event(), torch.cuda.Event(enable_timing=True), torch.cuda.Event(

@@ -84,6 +84,8 @@ def test_peers_eager_and_resfuse(bench):
         for key, kind in PEER_FIELDS.items():
             assert isinstance(peer[key], kind), (name, key)
     assert result["peers"]["resfuse"]["within_bound"] is True and "err_bound" not in result["peers"]["eager"]
+    assert all(peer["gpu_ms"] is None for peer in result["peers"].values())  # CPU: no GPU time to give
+    assert "GPU ms" not in [c.header for c in report.table(result).columns]
     resfuse, eager = result["peers"]["resfuse"], result["peers"]["eager"]
     assert resfuse["max_rel_err"] < 1e-4  # fp32: resfuse must compute eager's function
     assert eager["speedup_of_resfuse"]["resfuse"] == pytest.approx(eager["latency_ms"] / resfuse["latency_ms"])
@@ -211,3 +213,55 @@ def test_host_us_is_the_median_of_one_call_each():
     us = timing.host_us(fn, ("input",), torch.device("cpu"), calls=9)
     assert calls == ["input"] * 9
     assert 2000 <= us < 15000
+
+
+def test_the_table_gives_the_gpu_time_where_a_peer_has_one(bench):
+    _, result = bench
+    result = copy.deepcopy(result)
+    result["peers"]["resfuse"]["gpu_ms"] = 0.2615
+    columns = report.table(result).columns
+    gpu = next(c for c in columns if c.header == "GPU ms")
+    assert list(gpu.cells) == ["-", "0.262"]  # eager has none
+
+
+def test_gpu_ms_queues_fewer_calls_where_the_queue_cannot_hold_20(monkeypatch):
+    asked = []
+
+    def gpu_us(fn, sets, calls):
+        asked.append(calls)
+        if calls > 4:
+            raise RuntimeError("the host never enqueued")
+        return {4: 300.0}[calls] + len(asked)  # 301, 302, ... : the median of five is the third
+
+    monkeypatch.setattr(timing, "gpu_us", gpu_us)
+    assert run._gpu_ms(None, []) == pytest.approx(0.304)
+    assert asked == [20, 4, 4, 4, 4, 4]
+    monkeypatch.setattr(timing, "gpu_us", lambda fn, sets, calls: (_ for _ in ()).throw(RuntimeError("sync")))
+    assert run._gpu_ms(None, []) is None
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_us_leaves_the_host_out():
+    """A call that sleeps 2 ms on the host and launches a kernel of a known length: gpu_us gives the kernel's time,
+    latency the host's; a call that syncs has no GPU time of its own to give."""
+    cycles = 2_000_000
+    torch.cuda._sleep(cycles)  # warm
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    torch.cuda.synchronize()
+    kernel_us = start.elapsed_time(end) * 1e3
+
+    def call(x):
+        time.sleep(0.002)
+        torch.cuda._sleep(cycles)
+        return x
+
+    sets = [(torch.zeros(1, device="cuda"),)]
+    us = timing.gpu_us(call, sets, calls=5, sleep_cycles=40 * cycles)
+    assert 0.8 * kernel_us < us < 1.2 * kernel_us + 5
+    assert timing.latency(call, sets, torch.device("cuda"), 5).median_ms * 1e3 > 2000
+    with pytest.raises(RuntimeError, match="never enqueued"):
+        timing.gpu_us(lambda x: torch.cuda.synchronize(), sets, calls=2, tries=2)
