@@ -117,7 +117,7 @@ def one_job(name: str, batch: int, opts: argparse.Namespace, ceilings: str | Non
 def compact(results: list[dict]) -> str:
     cols = ["eager", "compile", "reduce-overhead", "resfuse", "resfuse+graphs"]
     head = (f"{'model':<20}{'bs':>4}{'floor':>8}" + "".join(f"{c[:9]:>10}" for c in cols)
-            + f"{'c/rf':>7}{'ro/rfg':>8}{'rf err':>9}  paths")
+            + f"{'c/rf':>7}{'ro/rfg':>8}{'rfg GPU':>8}{'GPU ro/rfg':>11}{'rf err':>9}  paths")
     lines = [head, "-" * len(head)]
     for r in results:
         if "error" in r:
@@ -129,8 +129,12 @@ def compact(results: list[dict]) -> str:
             peer = p.get(name, {})
             return peer.get("latency_ms") if peer.get("status") == "ok" else None
 
-        def ratio(a, b):
-            return f"{ms(a) / ms(b):.2f}" if ms(a) and ms(b) else "-"
+        def gpu(name):
+            peer = p.get(name, {})
+            return peer.get("gpu_ms") if peer.get("status") == "ok" else None
+
+        def ratio(a, b, of=ms):
+            return f"{of(a) / of(b):.2f}" if of(a) and of(b) else "-"
 
         cells = "".join(f"{ms(c):>10.3f}" if ms(c) else f"{p.get(c, {}).get('status', '-')[:9]:>10}"
                         for c in cols)
@@ -139,10 +143,13 @@ def compact(results: list[dict]) -> str:
         paths = ",".join(f"{k}:{v}" for k, v in p.get("resfuse", {}).get("paths", {}).items()) or "-"
         lines.append(f"{r['model']:<20}{r['batch']:>4}{r['floor']['ms']:>8.3f}{cells}"
                      f"{ratio('compile', 'resfuse'):>7}{ratio('reduce-overhead', 'resfuse+graphs'):>8}"
+                     f"{'-' if gpu('resfuse+graphs') is None else format(gpu('resfuse+graphs'), '.3f'):>8}"
+                     f"{ratio('reduce-overhead', 'resfuse+graphs', gpu):>11}"
                      f"{('-' if err is None else format(err, '.1e')) + flag:>9}  {paths}")
     lines.append("ms = median latency; c/rf = compile ms / resfuse ms; ro/rfg = reduce-overhead ms / "
-                 "resfuse+graphs ms (>1: resfuse faster); rf err = ||resfuse - eager|| / ||eager||, ! where a resfuse "
-                 "variant's error is over its bound")
+                 "resfuse+graphs ms (>1: resfuse faster); rfg GPU = resfuse+graphs' GPU ms a call, the host's pace "
+                 "left out, and GPU ro/rfg the ratio of the two peers' (where ro/rfg is lower, the host set the pace); "
+                 "rf err = ||resfuse - eager|| / ||eager||, ! where a resfuse variant's error is over its bound")
     return "\n".join(lines)
 
 
