@@ -9,7 +9,8 @@ the previous kernel ends, while ours start early (PDL) and ask L2 for their weig
 An entry flips when cuDNN won and the best Triton candidate the entry kept was within `within` of it. The flipped
 entries lose their checks, so their first use checks them again. Prints each flip. --to cudnn flips the other way:
 our winners to cuDNN's best candidate within `within` (in run 4 of the forty-fifth session the flip to ours cost
-ResNet-50 bs1 23 us of GPU time a call, against 1.5 that the tuner's timings predicted).
+ResNet-50 bs1 23 us of GPU time a call, against 1.5 that the tuner's timings predicted). bench/near_ties.py flips
+one entry at a time.
 """
 import argparse
 import json
@@ -33,6 +34,33 @@ def cudnn_config(label: str) -> dict:
 CONFIGS = {"triton": triton_config, "cudnn": cudnn_config}
 
 
+def provider(label: str) -> str:
+    return label.split(":")[0].split("+")[0]
+
+
+def near_ties(db, batch: int, gpu: str, within: float, to: tuple = tuple(CONFIGS)) -> list[tuple]:
+    """(digest, key dict, winner's provider, its time, the label flipped to, its time) for each entry at `batch` on
+    `gpu` whose winner is cuDNN's or ours and whose other provider's best candidate (among `to`) is within
+    `within` of it."""
+    found = []
+    for digest, key, won_by, times in db.execute("SELECT digest, key, provider, times FROM entries").fetchall():
+        k, times = json.loads(key), json.loads(times)
+        if won_by not in CONFIGS or gpu not in k["gpu"] or k["shape"][0][0] != batch:
+            continue
+        won = min(times.values())
+        other = sorted((t, label) for label, t in times.items() if provider(label) in set(to) - {won_by})
+        if other and other[0][0] <= (1 + within) * won:
+            found.append((digest, k, won_by, won, other[0][1], other[0][0]))
+    return found
+
+
+def flip(db, digest: str, label: str) -> None:
+    """The entry `digest` given to the candidate `label`; its checks dropped, so its first use checks it again."""
+    db.execute("UPDATE entries SET provider=?, config=? WHERE digest=?",
+               (provider(label), json.dumps(CONFIGS[provider(label)](label), sort_keys=True), digest))
+    db.execute("DELETE FROM checks WHERE digest=?", (digest,))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("cache_dir")
@@ -45,24 +73,13 @@ def main():
     shutil.rmtree(args.out_dir, ignore_errors=True)
     shutil.copytree(args.cache_dir, args.out_dir)
     db = sqlite3.connect(f"{args.out_dir}/tuning.sqlite")
-    flips = 0
-    for digest, key, provider, times in db.execute("SELECT digest, key, provider, times FROM entries").fetchall():
-        k, times = json.loads(key), json.loads(times)
-        if provider == args.to or args.gpu not in k["gpu"] or k["shape"][0][0] != args.batch:
-            continue
-        won = min(times.values())
-        new = sorted((t, label) for label, t in times.items() if label.split(":")[0].split("+")[0] == args.to)
-        if provider not in CONFIGS or not new or new[0][0] > (1 + args.within) * won:
-            continue
-        t, label = new[0]
-        db.execute("UPDATE entries SET provider=?, config=? WHERE digest=?",
-                   (args.to, json.dumps(CONFIGS[args.to](label), sort_keys=True), digest))
-        db.execute("DELETE FROM checks WHERE digest=?", (digest,))
-        flips += 1
-        print(f"{k['op']} {k['shape'][:2]} {k['epilogue']}: {provider} {won * 1e6:.2f} us -> {t * 1e6:.2f} us "
+    ties = near_ties(db, args.batch, args.gpu, args.within, (args.to,))
+    for digest, k, won_by, won, label, t in ties:
+        flip(db, digest, label)
+        print(f"{k['op']} {k['shape'][:2]} {k['epilogue']}: {won_by} {won * 1e6:.2f} us -> {t * 1e6:.2f} us "
               f"({label})")
     db.commit()
-    print(f"{flips} entries flipped")
+    print(f"{len(ties)} entries flipped")
 
 
 if __name__ == "__main__":
