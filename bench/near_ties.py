@@ -33,7 +33,7 @@ from resfuse.config import Config  # noqa: E402
 from resfuse.tuning import cache  # noqa: E402
 
 READ = set()  # digests of the entries looked up while recording
-_lookup = cache.Cache.lookup
+_lookup = cache.TuningCache.lookup
 
 
 def _recording_lookup(self, key, machine):
@@ -92,10 +92,10 @@ def main():
     base = Config.from_env().cache_dir
     _, inputs = models.load(args.model, args.batch, torch.float16, "cuda")
     sets = timing.input_sets(inputs)
-    cache.Cache.lookup = _recording_lookup
+    cache.TuningCache.lookup = _recording_lookup
     fns, errs = {}, {}
     fns["unflipped"], errs["unflipped"] = compiled(args, base, sets)
-    cache.Cache.lookup = _lookup
+    cache.TuningCache.lookup = _lookup
     gpu = torch.cuda.get_device_name()
     db = sqlite3.connect(os.path.join(base, "tuning.sqlite"))
     ties = [t for t in cache_flip.near_ties(db, args.batch, gpu, args.within) if t[0] in READ]
