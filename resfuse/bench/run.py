@@ -41,7 +41,7 @@ JSON schema ("schema": "resfuse-bench/1"); every time is the median unless its n
                    dtype alone gives this model; null for an fp32 model)
   profile {peer: list[{name str, time_us float (per iteration), calls int, share float}]}  (with --profile: every
           kernel, slowest first; the calls add up to the launches per iteration)
-  notes list[str]
+  notes list[str] (a CPU run's, errors over their bound, peers whose latency passes their GPU time: host-bound)
 """
 from __future__ import annotations
 
@@ -161,6 +161,9 @@ def benchmark(args: argparse.Namespace) -> dict:
     for line in _bound_errors(result, DTYPES[dtype_name]):
         notes.append(line)
         console.print(f"[red]{line}[/red]")
+    for line in host_bound(result):
+        notes.append(line)
+        console.print(f"[yellow]note:[/yellow] {line}")
     for name, rows in result["profile"].items():
         console.print(report.profile_table(name, rows))
     console.print(report.table(result))
@@ -314,6 +317,20 @@ def _bound_errors(result: dict, dtype: torch.dtype) -> list[str]:
         if not peer["within_bound"]:
             lines.append(f"{name}'s relative error {err:.1e} is over its bound {bound:.1e} (the dtype's tolerance, or "
                          "twice a compiled peer's error or eager's own off fp32): a wrong result, please report it")
+    return lines
+
+
+HOST_BOUND = 1.15  # latency over GPU time past which a peer's row is the host's pace, not its GPU work
+
+
+def host_bound(result: dict) -> list[str]:
+    """A note for each peer whose latency passes its GPU time by HOST_BOUND or more: the host set the pace (Python,
+    Dynamo's guards, launches, or a busy machine), and speedups on that row compare hosts, not kernels."""
+    lines = []
+    for name, peer in result["peers"].items():
+        gpu = peer.get("gpu_ms")
+        if peer["status"] == "ok" and gpu and peer["latency_ms"] > HOST_BOUND * gpu:
+            lines.append(f"{name} is host-bound: {peer['latency_ms']:.3f} ms a call for {gpu:.3f} ms of GPU work")
     return lines
 
 

@@ -265,3 +265,14 @@ def test_gpu_us_leaves_the_host_out():
     assert timing.latency(call, sets, torch.device("cuda"), 5).median_ms * 1e3 > 2000
     with pytest.raises(RuntimeError, match="never enqueued"):
         timing.gpu_us(lambda x: torch.cuda.synchronize(), sets, calls=2, tries=2)
+
+
+def test_a_peer_whose_latency_passes_its_gpu_time_is_noted_host_bound():
+    peers = {"eager": {"status": "ok", "latency_ms": 4.1, "gpu_ms": 1.2},
+             "reduce-overhead": {"status": "ok", "latency_ms": 0.449, "gpu_ms": 0.444},
+             "resfuse+graphs": {"status": "ok", "latency_ms": 0.302, "gpu_ms": 0.262},  # 1.15x: the line
+             "compile": {"status": "error", "error": "boom"},
+             "resfuse": {"status": "ok", "latency_ms": 3.0, "gpu_ms": None}}  # CPU: no GPU time, no note
+    lines = run.host_bound({"peers": peers})
+    assert [line.split()[0] for line in lines] == ["eager", "resfuse+graphs"]
+    assert "4.100 ms a call for 1.200 ms of GPU work" in lines[0]
