@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import cache_ab  # noqa: E402
 import cache_flip  # noqa: E402
-import resfuse  # noqa: E402
 from resfuse.bench import models, timing  # noqa: E402
 from resfuse.config import Config  # noqa: E402
 from resfuse.tuning import cache  # noqa: E402
@@ -42,14 +42,9 @@ def _recording_lookup(self, key, machine):
 
 
 def compiled(args, cache_dir: str, sets: list[tuple]):
-    """The model compiled on cache_dir with CUDA graphs, called until its graphs are captured; (fn, max rel err)."""
-    model, _ = models.load(args.model, args.batch, torch.float16, "cuda")
-    with torch.no_grad():
-        refs = [timing.run_once(model, s) for s in sets]
-    fn = resfuse.compile(model, cuda_graphs=True, cache_dir=cache_dir)
-    for s in sets * 3:  # the first call, the capture, the handout graphs
-        timing.run_once(fn, s)
-    return fn, max(timing.output_error(timing.run_once(fn, s), r)[0] for s, r in zip(sets, refs))
+    """The model compiled on cache_dir (bench/cache_ab.py's compile): (fn, its largest relative error)."""
+    fn, _, err = cache_ab.compiled(args.model, args.batch, sets, cache_dir=cache_dir)
+    return fn, err
 
 
 def variant_cache(base: str, path: str, flips: list[tuple]) -> str:
