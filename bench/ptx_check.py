@@ -21,11 +21,12 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from resfuse import epilogue as epi  # noqa: E402
 from resfuse.kernels import codegen, matmul  # noqa: E402
+from resfuse.kernels.epilogue_source import triton_params  # noqa: E402
 
 
 def operand_types(signature: str) -> dict:
     return {name: ("*fp16" if name.startswith("op") and name[2:].isdigit() else "i32")
-            for name in epi.triton_params(epi.parse(signature))}
+            for name in triton_params(epi.parse(signature))}
 
 
 def compile_ptx(family, signature: str, types: dict, constexprs: dict, num_warps=8, num_stages=3) -> str:

@@ -28,6 +28,7 @@ import triton
 
 from .. import epilogue as epi
 from . import codegen, options
+from .epilogue_source import triton_body, triton_params
 from .plan import (Launcher, descriptor_operands, launch_or_refuse, operand_args, operand_strides, pdl_meta,
                    plan_key, sm_count)
 
@@ -129,10 +130,10 @@ def pixel_rows(t: torch.Tensor) -> torch.Tensor:
 def source(signature1: str, signature2: str, slots1: tuple, slots2: tuple) -> str:
     tree1, tree2 = epi.parse(signature1), epi.parse(signature2)
     params = ["a_desc", "w1_desc", "w2_desc", "y_desc", "z_desc", "M", "P", "TILES",
-              *epi.triton_params(tree1, "e1_"), *epi.triton_params(tree2, "e2_"),
+              *triton_params(tree1, "e1_"), *triton_params(tree2, "e2_"),
               *[f"{c}: tl.constexpr" for c in ("K1", "N1", "N2", "BM", "BN1", "PRECISION", "PDL")]]
-    body1 = epi.triton_body(tree1, "y_val", slots1, "e1_", out_ty="a.dtype")
-    body2 = epi.triton_body(tree2, "z_val", slots2, "e2_", out_ty="a.dtype")
+    body1 = triton_body(tree1, "y_val", slots1, "e1_", out_ty="a.dtype")
+    body2 = triton_body(tree2, "z_val", slots2, "e2_", out_ty="a.dtype")
 
     param_lines = "\n".join(f"    {p}," for p in params)
 

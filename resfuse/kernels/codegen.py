@@ -2,7 +2,7 @@
 
 Entry point: `load(family, signature) -> kernel`, called by launch.py. The kernel calls its family's shared
 @triton.jit mainloop (gemm.py, conv2d_fprop.py), reduces split-K partials (split_k.py), applies the epilogue
-in fp32 (source from epilogue.triton_body) and stores in the output's dtype (and, for an epilogue with an aux
+in fp32 (source from epilogue_source.triton_body) and stores in the output's dtype (and, for an epilogue with an aux
 node, that node's value to the second output `aux`, at the same offsets; for a bn_stats root, each tile's
 column sums of g and g * (x - mean), over the g it stored, to column `row_block` of the fp32 [2, C, stats_rows]
 `stats`). Only this glue is generated;
@@ -23,6 +23,7 @@ from pathlib import Path
 
 from .. import epilogue as epi
 from .activations import HELPERS
+from .epilogue_source import triton_body, triton_params
 
 # bump when the generated glue or a mainloop's calling convention changes, or when a family takes on ops whose
 # cached winners were chosen without it (3: depthwise convs; 4: persistent GEMMs; 5: mainloops return row_block;
@@ -81,7 +82,7 @@ def kernel_source(family: Family, signature: str, tma_slots: tuple[int, ...] = (
     """The generated kernel's source; the full operands in `tma_slots` are tensor descriptors (Family.origin), and
     with `out_tma` so is `out`: an [M, N] matrix the tile is written to by one bulk store, clipped at its edges,
     which leaves the warps to go on to the next tile while the copy drains (no split of the reduction). With `swap`
-    the mainloop computes the transposed output, its rows the output's channels (epilogue.triton_body's swap)."""
+    the mainloop computes the transposed output, its rows the output's channels (epilogue_source.triton_body's swap)."""
     if (tma_slots or out_tma) and family.origin is None:
         raise ValueError(f"family {family.name} has no tile origin: its operands cannot be read through TMA")
     tree = epi.parse(signature)
@@ -90,7 +91,7 @@ def kernel_source(family: Family, signature: str, tma_slots: tuple[int, ...] = (
     if swap and (stats or tma_slots or out_tma):
         raise ValueError("a swapped tile sums no statistics and reads no operand through TMA")
     params = ["out", *(["aux"] if aux else []), *(["stats", "stats_rows"] if stats else []), "ws", "tickets",
-              *family.args, family.s_out_c, *epi.triton_params(tree)]
+              *family.args, family.s_out_c, *triton_params(tree)]
     params += [f"{c}: tl.constexpr" for c in (*family.constexprs, "PDL", "PREFETCH")]
     call_args = ", ".join([*(["tile_id"] if family.loop else []), *family.args, *family.constexprs])
     aux_store = (f"tl.store(aux + out_rows[:, None] + offs_c[None, :] * {family.s_out_c}, "
@@ -121,7 +122,7 @@ if SPLIT_K > 1:
     mask = mask & last
     stat_ok = stat_ok & last
 # epilogue: {signature}
-{epi.triton_body(tree, out="y", tma_slots=tma_slots, out_ty=out_ty, swap=swap)}
+{triton_body(tree, out="y", tma_slots=tma_slots, out_ty=out_ty, swap=swap)}
 {store}
 {aux_store}
 {stats_store}"""

@@ -163,7 +163,7 @@ class Plan:
 
 
 def operand_args(operands, strides: list, boxes: dict, signature: str, out_shape, channel_dim: int) -> list:
-    """The kernel arguments of an epilogue's operands (epilogue.triton_params): each a pointer, or a tensor
+    """The kernel arguments of an epilogue's operands (epilogue_source.triton_params): each a pointer, or a tensor
     descriptor for a slot in `boxes` (descriptor_operands), then its [S, P, C] strides (operand_strides; None: the
     view is not a view of the tensor, so a copy is made this call)."""
     args, views = [], None

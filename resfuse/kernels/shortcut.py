@@ -32,6 +32,7 @@ import triton
 
 from .. import epilogue as epi
 from . import codegen, options
+from .epilogue_source import triton_body, triton_params
 from .chain import nhwc_dense, pixel_rows, unaligned
 from .plan import (Launcher, descriptor_output, launch_or_refuse, operand_args, operand_strides, pdl_meta,
                    plan_key, sm_count)
@@ -117,15 +118,15 @@ def source(signature1: str, signature2: str | None, slot: int | None) -> str:
     tree1 = epi.parse(signature1)
     tree2 = None if signature2 is None else epi.parse(signature2)
     params = ["y_desc", "w1_desc", "x", "w2_desc", "out", "M", "N", "P", "OW", "s_xn", "s_xh", "s_xw", "s_xc",
-              *epi.triton_params(tree1, "e1_"), *([] if tree2 is None else epi.triton_params(tree2, "e2_")),
+              *triton_params(tree1, "e1_"), *([] if tree2 is None else triton_params(tree2, "e2_")),
               *[f"{c}: tl.constexpr" for c in ("K1", "K2", "BM", "BN", "BK", "GROUP_M", "OUT_TMA", "PRECISION",
                                                   "PDL")]]
-    body1 = epi.triton_body(tree1, "z_val", prefix="e1_", given=None if tree2 is None else {slot: "r.to(tl.float32)"},
+    body1 = triton_body(tree1, "z_val", prefix="e1_", given=None if tree2 is None else {slot: "r.to(tl.float32)"},
                             out_ty="y_desc.dtype")
     between = "    # the sum form: the main conv's reduction goes on in the same accumulator\n"
     if tree2 is not None:
         between = f"""    # epilogue 2: {signature2}
-{textwrap.indent(epi.triton_body(tree2, "r_val", prefix="e2_", out_ty="y_desc.dtype"), " " * 4)}
+{textwrap.indent(triton_body(tree2, "r_val", prefix="e2_", out_ty="y_desc.dtype"), " " * 4)}
     r = r_val.to(y_desc.dtype)  # rounded as the shortcut's output would have been stored (the inputs' dtype)
     acc = tl.full([BM, BN], 0.0, tl.float32)
 """
