@@ -1,7 +1,7 @@
 # CUDA-graph outputs handed out from graphs that copy them inside (capture/cuda_graphs.py, _Handout), against the
 # copy after the replay (handouts=0), alternated: `bash bench/handouts.sh` on the GPU machine, carrying .whl/ and
 # .devcache/. The GPU tests first. BENCHMARKS.md, forty-fourth session. Logs and ab.json under $OUT.
-nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100 || exit 3
+nvidia-smi --query-gpu=name --format=csv,noheader | grep -q "H100\|H200" || exit 3
 source bench/gpu_env.sh
 timeout 300 python -m pytest -q -m requires_cuda tests -p no:cacheprovider > $OUT/pytest_cuda.log 2>&1
 tail -3 $OUT/pytest_cuda.log

@@ -3,7 +3,7 @@
 # (bench/graph_launch.py); then ResNet-50 and MobileNetV3-L bs1 with CUDA graphs, PDL on and off alternated beside
 # reduce-overhead, each with its latency, host time a call and (profiled) GPU busy time (bench/ab.py). BENCHMARKS.md,
 # forty-fourth session. Logs and JSON under $OUT.
-nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100 || exit 3
+nvidia-smi --query-gpu=name --format=csv,noheader | grep -q "H100\|H200" || exit 3
 source bench/gpu_env.sh
 timeout 120 python bench/graph_launch.py --out $OUT > $OUT/graph_launch.log 2>&1
 tail -14 $OUT/graph_launch.log

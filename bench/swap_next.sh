@@ -4,7 +4,7 @@
 # (made before the swapped candidates existed), a retune (every op measured again, the swapped candidates among the
 # others; the new winners replace the cached ones), and the new winners, each profiled. Logs and JSON under $OUT;
 # the new winners go to $OUT/resfuse_cache.tgz for .devcache/.
-nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100 || exit 3
+nvidia-smi --query-gpu=name --format=csv,noheader | grep -q "H100\|H200" || exit 3
 source bench/gpu_env.sh
 timeout 120 python bench/swap_product.py --out $OUT > $OUT/swap_product.log 2>&1
 tail -12 $OUT/swap_product.log
