@@ -58,7 +58,7 @@ def main() -> int:
             try:
                 own = [timing.output_error([plan.run(call, call.out.empty(), name)], [ref])[0]
                        for _ in range(args.calls)]
-                ws = plan.workspace_bytes[plan.engines.index(name)]
+                ws = plan.built[name][1]
                 ws_whole, workspace = fenced(max(1, ws))
                 y_whole, y_bytes = fenced(out_bytes)
                 y = y_bytes.view(torch.float16).as_strided(ref.shape, ref.stride())

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cudnn_check import BN_ADD_RELU, BN_RELU, LAYERS, make_call  # noqa: E402
+from cudnn_check import LAYERS, make_call  # noqa: E402
 from resfuse.ops.fused import Output  # noqa: E402
 from resfuse.providers import cudnn, fold_bn  # noqa: E402
 from resfuse.tuning import choose  # noqa: E402
@@ -64,7 +64,7 @@ def time_plans(call, max_plans):
             rows.append({"index": i, "name": name, "error": f"{type(e).__name__}: {str(e)[:100]}"})
             continue
         rows.append({"index": i, "name": name, "build_s": round(build_s, 3), "us": round(us, 2), "err": err,
-                     "workspace": plan.workspace_bytes[i]})
+                     "workspace": plan.built[name][1]})
     return len(plan.engines), rows
 
 

@@ -89,6 +89,32 @@ def test_a_fold_follows_in_place_updates_and_dies_with_its_sources():
     assert not any(f.w is fw for f in fold_bn._FOLDS.values())
 
 
+def test_a_fold_follows_a_storage_swapped_under_its_tensors():
+    """`p.data = t` (as older Module.to/half did) gives a source a new storage without a version bump: the fold is
+    made again from the new values, and a weight of another shape gets a fold of its own."""
+    torch.manual_seed(5)
+    w, vecs = torch.randn(5, 3, 1, 1).half(), bn_vectors(5)
+
+    def call():
+        return Call("conv2d", (torch.randn(1, 3, 2, 2).half(), w), vecs, BN_RELU, ([1, 1], [0, 0], [1, 1]),
+                    Output.of([1, 5, 2, 2], torch.float16, torch.device("cpu")))
+
+    def expected():
+        scale = vecs[2] / torch.sqrt(vecs[1] + 1e-5)
+        return (w.float() * scale.view(-1, 1, 1, 1)).half().float(), vecs[3] - vecs[0] * scale
+
+    fold_bn.folded_call(call())
+    for swap in (lambda: setattr(w, "data", torch.randn(5, 3, 1, 1).half()),
+                 lambda: setattr(vecs[0], "data", torch.randn(5)),
+                 lambda: setattr(w, "data", torch.randn(5, 3, 3, 3).half())):
+        swap()
+        folded = fold_bn.folded_call(call())
+        want_w, want_shift = expected()
+        assert folded.inputs[1].shape == w.shape
+        torch.testing.assert_close(folded.inputs[1].float(), want_w)
+        torch.testing.assert_close(folded.operands[4], want_shift)
+
+
 def test_a_fold_of_inference_tensors_is_folded_again_on_every_call():
     """Tensors made under torch.inference_mode have no version counter (reading it raises): a fold of them, and a
     graph's watch over it, fold again each time, so an in-place edit there is followed too."""

@@ -186,7 +186,8 @@ class Plan:
         self.y = y
         self.graph = _planned(g)
         self.engines = [g.get_plan_name_at_index(i) for i in range(g.get_execution_plan_count())]
-        self.workspace_bytes = {}  # index -> bytes, for the engine configs built so far
+        self.built = {}  # engine config name (None: the ranked list's first) -> (its index, workspace bytes)
+        self.stream = None  # the raw CUDA stream the handle was last set to
 
     def _operand(self, call, slot: int) -> torch.Tensor:
         t = call.operands[slot]
@@ -233,18 +234,22 @@ class Plan:
     def run(self, call, out: torch.Tensor, engine: str | None = None) -> torch.Tensor:
         """The graph on `call` into `out`, with the named engine config (built on first use), or the ranked list's
         first where `engine` is None or not in the list (a tuning cache entry of another cuDNN version)."""
-        cudnn = _cudnn()
-        index = self.engines.index(engine) if engine in self.engines else 0
-        if index not in self.workspace_bytes:
+        built = self.built.get(engine)
+        if built is None:
+            index = self.engines.index(engine) if engine in self.engines else 0
             self.graph.build_plan_at_index(index)
-            self.workspace_bytes[index] = self.graph.get_workspace_size_plan_at_index(index)
-        cudnn.set_stream(self.handle, torch.cuda.current_stream().cuda_stream)
+            built = self.built[engine] = (index, self.graph.get_workspace_size_plan_at_index(index))
+        index, workspace_bytes = built
+        stream = torch._C._cuda_getCurrentRawStream(out.device.index)  # Inductor's own call: no Stream object
+        if stream != self.stream:  # the handle is this plan's alone, so its stream changes only here
+            _cudnn().set_stream(self.handle, stream)
+            self.stream = stream
         binding = {self.x: call.inputs[0], self.w: call.inputs[1], self.y: out}
         for slot, tensor in self.operands.items():
             binding[tensor] = self._operand(call, slot)
         for value, tensor in self.scalars.items():
             binding[tensor] = self.host_scalars[value]
-        workspace = torch.empty(max(1, self.workspace_bytes[index]), dtype=torch.uint8, device=out.device)
+        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=out.device) if workspace_bytes else None
         self.graph.execute_plan_at_index(binding, workspace, index=index, handle=self.handle)
         return out
 

@@ -42,9 +42,10 @@ class Fold:
     It is kept while the sources keep their addresses and version counters (an in-place update, an optimizer
     step or load_state_dict, bumps the counter) and folded again in place otherwise, so that a CUDA graph that
     reads the folded tensors at their addresses stays right: capture/cuda_graphs.py records the folds a graph
-    reads (`recording_folds`) and checks them before each replay (`FoldWatch`). A write through `.data`, which
-    bypasses the version counter, is not seen. The sources are held weakly: a model's parameters are not kept
-    alive by this cache."""
+    reads (`recording_folds`) and checks them before each replay (`FoldWatch`). An un-graphed call also sees a
+    storage swapped in under a source (`p.data = t`, which bumps no counter) by its address; a write into a
+    source through `.data` is not seen. The sources are held weakly: a model's parameters are not kept alive by
+    this cache."""
 
     def __init__(self, w: torch.Tensor, vectors, eps: float):
         self.refs, self.eps = [weakref.ref(t) for t in (w, *vectors)], eps
@@ -54,19 +55,27 @@ class Fold:
         self.refresh()
 
     def holds(self, sources) -> bool:
-        return all(r() is t for r, t in zip(self.refs, sources))
+        """Are these the tensors folded, the weight still of the folded one's shape, strides and dtype? (Their
+        storage and contents: `refresh`.)"""
+        return all(r() is t for r, t in zip(self.refs, sources)) and self._laid_out_as(sources[0])
+
+    def _laid_out_as(self, w: torch.Tensor) -> bool:
+        return w.shape == self.w.shape and w.stride() == self.w.stride() and w.dtype == self.w.dtype
 
     def refresh(self) -> bool:
-        """Fold again if a source changed; False once a source is gone (the entry is then dropped). A fold
+        """Fold again if a source changed; False once a source is gone, or the weight's layout is no longer the
+        folded one's (a storage of another shape swapped in), and the entry is then dropped. A fold
         whose weight overflows its dtype (a huge scale: a tiny variance, a large batch-norm weight) is marked
         `fits = False`, and the conv runs unfolded while it stays so: one read back per refold, outside a
         CUDA-graph capture (whose warm-up call has already folded and checked)."""
         sources = [r() for r in self.refs]
-        if any(t is None for t in sources):
+        if any(t is None for t in sources) or not self._laid_out_as(sources[0]):
             return False
         state = versions(sources)
-        if state is not None and state == self.seen:
-            return True
+        if state is not None:  # a storage swapped under the same tensor (`p.data = ...`) changes its address
+            state += [t.data_ptr() for t in sources]
+            if state == self.seen:
+                return True
         w, mean, var, weight, bias = sources
         scale = weight.float() * torch.rsqrt(var.float() + self.eps)
         folded = w.float() * scale.view(-1, *[1] * (w.dim() - 1))
@@ -83,7 +92,7 @@ class Fold:
         return True
 
 
-_FOLDS: dict = {}  # (the sources' addresses, shapes and dtypes, eps) -> Fold
+_FOLDS: dict = {}  # (the sources' ids, eps) -> Fold
 _RECORDING: list[list] = []  # the lists recording_folds() fills
 
 
@@ -93,7 +102,7 @@ def folded_call(call):
     _, bn = _folded(call.signature, len(call.operands))
     w = call.inputs[1]
     sources = (w, *(call.operands[o.slot] for o in bn.args[1:]))
-    key = (tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in sources), bn.params[0])
+    key = (*map(id, sources), bn.params[0])  # the same tensors (holds), at their folded addresses (refresh)
     fold = _FOLDS.get(key)
     if fold is None or not fold.holds(sources):
         for stale in [k for k, f in _FOLDS.items() if not f.refresh()]:  # entries whose sources are gone
