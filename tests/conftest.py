@@ -31,3 +31,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def _resfuse_cache(tmp_path, monkeypatch):
     """Every test gets its own resfuse cache directory."""
     monkeypatch.setenv("RESFUSE_CACHE_DIR", str(tmp_path / "resfuse-cache"))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Every test starts with Dynamo's caches empty: one that compiles a module class an earlier test compiled in
+    the same process (nn.Sequential) must capture its own graph, not reuse the earlier one's or pass Dynamo's
+    recompile limit and run eagerly, whichever tests pytest-xdist happened to give its process."""
+    torch._dynamo.reset()
+
