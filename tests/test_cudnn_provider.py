@@ -10,7 +10,7 @@ import torch
 
 from resfuse import epilogue as epi
 from resfuse.ops.fused import Output
-from resfuse.providers import candidates, cudnn, fold_bn
+from resfuse.providers import candidates, cudnn, cudnn_stats, fold_bn
 from resfuse.tuning.choose import Call
 
 from .cudnn_cases import BN_RELU, bn_conv_case, bn_vectors, rel
@@ -54,7 +54,8 @@ def test_refusals_say_why():
     one_pixel = Call("conv2d", (x, w), [torch.randn(20).half()], "silu(add(acc,c0))", ([1, 1], [0, 0], [1, 1]),
                      Output.of([32, 20, 1, 1], torch.float16, torch.device("cpu")))
     assert cudnn.refusal(one_pixel) == cudnn.ONE_PIXEL
-    assert cudnn.conv_stats_refusal(x, w, (32, 20, 1, 1), (20, 1, 1, 1), [1, 1], [0, 0], [1, 1]) == cudnn.ONE_PIXEL
+    one_pixel_stats = cudnn_stats.conv_stats_refusal(x, w, (32, 20, 1, 1), (20, 1, 1, 1), [1, 1], [0, 0], [1, 1])
+    assert one_pixel_stats == cudnn.ONE_PIXEL
 
 
 def test_no_cudnn_candidates_on_cpu():
@@ -115,7 +116,7 @@ def _sums64(y):
 
 def test_conv_stats_refusals_on_cpu():
     x, w, stride, padding, dilation = _conv_stats_inputs((1, 8, 5, 5), 4, 3, 1, torch.float16, "cpu")
-    why = cudnn.conv_stats_refusal(x, w, (1, 4, 5, 5), (100, 1, 20, 4), stride, padding, dilation)
+    why = cudnn_stats.conv_stats_refusal(x, w, (1, 4, 5, 5), (100, 1, 20, 4), stride, padding, dilation)
     assert "CUDA device" in why or "not installed" in why
 
 
@@ -150,7 +151,7 @@ def test_conv2d_stats_on_cudnn_matches_the_reference(dtype, shape, cout, k, stri
     torch.manual_seed(1)
     x, w, stride, padding, dilation = _conv_stats_inputs(shape, cout, k, stride, dtype, "cuda")
     y_ref = torch.nn.functional.conv2d(x, w, stride=stride, padding=padding)
-    why = cudnn.conv_stats_refusal(x, w, y_ref.shape, y_ref.stride(), stride, padding, dilation)
+    why = cudnn_stats.conv_stats_refusal(x, w, y_ref.shape, y_ref.stride(), stride, padding, dilation)
     if dtype == torch.bfloat16 and why is not None:  # cuDNN 9 on the H100 machine has no bf16 genstats engine
         assert "no conv + genstats engine" in why, why
         return

@@ -125,11 +125,11 @@ def conv2d_stats_impl(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[in
     provider "cudnn": one cuDNN graph (conv_fprop + genstats), the sums from the conv's epilogue; "reference":
     ATen's conv, then the sums in fp32 over y as the batch norm reads it."""
     if provider == "cudnn" and x.is_cuda:
-        from ..providers import cudnn
+        from ..providers import cudnn_stats
 
         _record("conv2d_stats", "", "cudnn")
         y, sums = _conv_stats_outputs(x, weight, stride, padding, dilation, channels_last)
-        cudnn.conv_stats(x, weight, stride, padding, dilation, y, sums)
+        cudnn_stats.conv_stats(x, weight, stride, padding, dilation, y, sums)
         return y, sums
     _record("conv2d_stats", "", "reference")
     fmt = torch.channels_last if channels_last else torch.contiguous_format

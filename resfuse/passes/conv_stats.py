@@ -75,9 +75,9 @@ def _refusal(conv: fx.Node, provider: str) -> str | None:
         if xv.shape[1] % 8:
             return (f"{xv.shape[1]} input channels, not a multiple of 8 (cuDNN had no conv + genstats engine for "
                     f"ResNet's 3-channel stem)")
-        from ..providers import cudnn
+        from ..providers import cudnn_stats
 
-        return cudnn.conv_stats_refusal(xv, wv, yv.shape, yv.stride(), stride, padding, dilation)
+        return cudnn_stats.conv_stats_refusal(xv, wv, yv.shape, yv.stride(), stride, padding, dilation)
     return None
 
 
