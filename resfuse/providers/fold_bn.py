@@ -55,9 +55,8 @@ class Fold:
         self.refresh()
 
     def holds(self, sources) -> bool:
-        """Are these the tensors folded, the weight still of the folded one's shape, strides and dtype? (Their
-        storage and contents: `refresh`.)"""
-        return all(r() is t for r, t in zip(self.refs, sources)) and self._laid_out_as(sources[0])
+        """Are these the tensors folded? (Their layout, storage and contents: `refresh`.)"""
+        return all(r() is t for r, t in zip(self.refs, sources))
 
     def _laid_out_as(self, w: torch.Tensor) -> bool:
         return w.shape == self.w.shape and w.stride() == self.w.stride() and w.dtype == self.w.dtype
@@ -102,14 +101,12 @@ def folded_call(call):
     _, bn = _folded(call.signature, len(call.operands))
     w = call.inputs[1]
     sources = (w, *(call.operands[o.slot] for o in bn.args[1:]))
-    key = (*map(id, sources), bn.params[0])  # the same tensors (holds), at their folded addresses (refresh)
+    key = (*map(id, sources), bn.params[0])  # the same tensors (holds), laid out and stored as folded (refresh)
     fold = _FOLDS.get(key)
-    if fold is None or not fold.holds(sources):
-        for stale in [k for k, f in _FOLDS.items() if not f.refresh()]:  # entries whose sources are gone
+    if fold is None or not fold.holds(sources) or not fold.refresh():
+        for stale in [k for k, f in _FOLDS.items() if not f.refresh()]:  # sources gone, or another weight layout
             del _FOLDS[stale]
         fold = _FOLDS[key] = Fold(w, sources[1:], bn.params[0])
-    else:
-        fold.refresh()
     if not fold.fits:
         return None
     for used in _RECORDING:
