@@ -39,4 +39,3 @@ def _fresh_dynamo():
     the same process (nn.Sequential) must capture its own graph, not reuse the earlier one's or pass Dynamo's
     recompile limit and run eagerly, whichever tests pytest-xdist happened to give its process."""
     torch._dynamo.reset()
-

@@ -65,8 +65,9 @@ def gemm_swapped_prefetch(pid, pid_k, a, M, N, K, s_am, s_ak, BM: tl.constexpr, 
     column of tiles only (the others read the same rows), where a row's reduction is contiguous as prefetch_rows
     reads it. The plain pointer form prefetches nothing (the TMA families prefetch their B). Without it, the
     swapped 1024 -> 256 conv of ResNet-50 bs1 ran about 3 us slower in the model than the tuner timed it alone,
-    where its weight stays in L2 from one call to the next (BENCHMARKS.md, forty-fifth session); what the prefetch
-    gains there is not measured yet."""
+    where its weight stays in L2 from one call to the next (BENCHMARKS.md, forty-fifth session). What the prefetch
+    gains is not established: on an H200 those flipped choices cost +1.9 us a call with prefetching and +0.7 with
+    it off everywhere (forty-sixth session), where the H100 had measured +22.9 before it."""
     if s_ak == 1:
         tile_m, tile_n = swizzle_tile(pid, cdiv(M, BM), cdiv(N, BN), GROUP_M)
         if tile_n == 0:
