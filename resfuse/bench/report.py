@@ -44,6 +44,9 @@ def table(result: dict) -> Table:
     gpu = any(p.get("gpu_ms") is not None for p in result["peers"].values())  # CUDA: the GPU's part beside it
     if gpu:
         t.add_column("GPU ms", justify="right")
+    mhz = any(p.get("clock") for p in result["peers"].values())  # NVML read: the SM clock over the timed calls
+    if mhz:
+        t.add_column("SM MHz", justify="right")
     t.add_column("items/s", justify="right")
     t.add_column("× floor", justify="right")
     for v in variants:
@@ -60,6 +63,7 @@ def table(result: dict) -> Table:
             continue
         speedups = [_fmt(peer["speedup_of_resfuse"].get(v), ".2f") + "×" for v in variants]
         t.add_row(name, _fmt(peer["latency_ms"], ".3f"), *[_fmt(peer.get("gpu_ms"), ".3f")] * gpu,
+                  *[_fmt((peer.get("clock") or {}).get("sm_mhz"), ".0f")] * mhz,
                   _fmt(peer["throughput_items_per_s"], ",.0f"),
                   _fmt(peer["latency_ms"] / floor_ms if floor_ms else None, ".2f"), *speedups,
                   _fmt(peer["compile_s"], ".1f"), _fmt(peer["max_rel_err"], ".1e"),

@@ -35,13 +35,17 @@ JSON schema ("schema": "resfuse-bench/1"); every time is the median unless its n
                 peer's error or eager_fp32_rel_err, whichever is largest, and whether max_rel_err stays within it),
                 gpu_ms (CUDA only, else null: the GPU's time a call with the host's pace left out, calls
                 queued behind a sleep; latency_ms above it means the host set the pace, as at batch 1 on a
-                busy host), speedup_of_resfuse {resfuse variant: this peer's latency / the variant's latency},
+                busy host), clock, gpu_ms_clock ({sm_mhz, max_mhz, limited: float} | null: the SM clock read
+                through NVML over the timed calls and over gpu_ms's calls, and the share of reads with a power or
+                thermal limit on; null on CPU or without NVML; a limited clock slows a heavy peer's latency),
+                speedup_of_resfuse {resfuse variant: this peer's latency / the variant's latency},
                 paths {path: calls} (resfuse peers only: which implementation ran, e.g. triton, reference)}}
   eager_fp32_rel_err float | null (eager's first output against the model run in fp32 with TF32 off: the error the
                    dtype alone gives this model; null for an fp32 model)
   profile {peer: list[{name str, time_us float (per iteration), calls int, share float}]}  (with --profile: every
           kernel, slowest first; the calls add up to the launches per iteration)
-  notes list[str] (a CPU run's, errors over their bound, peers whose latency passes their GPU time: host-bound)
+  notes list[str] (a CPU run's, errors over their bound, peers whose latency passes their GPU time: host-bound,
+             peers timed at the GPU's power or thermal limit)
 """
 from __future__ import annotations
 
@@ -161,7 +165,7 @@ def benchmark(args: argparse.Namespace) -> dict:
     for line in _bound_errors(result, DTYPES[dtype_name]):
         notes.append(line)
         console.print(f"[red]{line}[/red]")
-    for line in host_bound(result):
+    for line in host_bound(result) + clock_limited(result):
         notes.append(line)
         console.print(f"[yellow]note:[/yellow] {line}")
     for name, rows in result["profile"].items():
@@ -221,7 +225,11 @@ def _measure(name, model, sets, references, device, iters, args, result) -> dict
         fn = _build(name, model)
         m = timing.measure(fn, sets, refs, late_refs, device, iters)
         off_fp32 = None if wide is None else timing.output_error(m.outs, wide)[0]
-        gpu_ms = _gpu_ms(fn, sets) if device.type == "cuda" else None
+        gpu_ms, gpu_clock = None, None
+        if device.type == "cuda":
+            with timing.Clocks(device) as clocks:
+                gpu_ms = _gpu_ms(fn, sets)
+            gpu_clock = clocks.summary()
         if args.profile and name in PROFILED:
             result["profile"][name] = timing.kernels(fn, sets, device)
     except Exception as e:  # a peer that fails to compile or run is a result, not the end of the run
@@ -235,7 +243,7 @@ def _measure(name, model, sets, references, device, iters, args, result) -> dict
         "compile_s": m.first_s, "x_floor": lat.median_ms / result["floor"]["ms"] if result["floor"]["ms"] else None,
         "max_rel_err": m.rel_err, "max_abs_err": m.abs_err, "first_rel_err": m.first_err[0],
         "late_rel_err": m.late_err[0],
-        "fp32_rel_err": off_fp32, "gpu_ms": gpu_ms,
+        "fp32_rel_err": off_fp32, "gpu_ms": gpu_ms, "clock": lat.clock, "gpu_ms_clock": gpu_clock,
         "speedup_of_resfuse": {},
     }
     if name.startswith("resfuse"):
@@ -331,6 +339,27 @@ def host_bound(result: dict) -> list[str]:
         gpu = peer.get("gpu_ms")
         if peer["status"] == "ok" and gpu and peer["latency_ms"] > HOST_BOUND * gpu:
             lines.append(f"{name} is host-bound: {peer['latency_ms']:.3f} ms a call for {gpu:.3f} ms of GPU work")
+    return lines
+
+
+LIMITED = 0.5  # the share of clock reads with a power or thermal limit on past which a peer's note says so
+
+
+def clock_limited(result: dict) -> list[str]:
+    """A note for each peer that the GPU's power or thermal limit slowed: its latency is at the clock that limit
+    left, which a lighter peer, or one whose host leaves the GPU idle between calls, does not pay. Its GPU ms, timed
+    over a few calls after its latency, can be at another clock: the note gives both."""
+    lines = []
+    for name, peer in result["peers"].items():
+        clock, gpu_clock = peer.get("clock"), peer.get("gpu_ms_clock")
+        if peer["status"] != "ok" or not clock or clock["limited"] < LIMITED:
+            continue
+        top = f" of {clock['max_mhz']:.0f}" if clock["max_mhz"] else ""
+        line = (f"{name} ran at the GPU's power or thermal limit: SM clock {clock['sm_mhz']:.0f}{top} MHz over its "
+                f"timed calls")
+        if gpu_clock:
+            line += f", {gpu_clock['sm_mhz']:.0f} MHz over its GPU ms"
+        lines.append(line)
     return lines
 
 

@@ -2,7 +2,8 @@
 
 Entry points: `input_sets`, then for each peer `measure` (`first_call`, `output_error`, `latency`, and the
 error of a timed call), and with --profile `kernels`. run.py and bench/ab.py call them; the bench scripts also
-`host_us` (the host's time a call) and `gpu_us` (the GPU's, calls queued behind a sleep).
+`host_us` (the host's time a call) and `gpu_us` (the GPU's, calls queued behind a sleep). `Clocks` reads the
+GPU's SM clock while calls run: `latency` records it beside its times.
 
 Latency on CUDA is timed with CUDA events around each call, after a warm-up, as the median of many calls;
 the inputs rotate among several preallocated sets so that no call finds its input already in L2 from the
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import threading
 import time
 from typing import Callable
 
@@ -27,6 +29,7 @@ class Latency:
     p90_ms: float
     iters: int
     method: str  # "cuda-events" or "perf_counter"
+    clock: dict | None = None  # Clocks.summary() over the timed calls: None on CPU or without NVML
 
 
 def _sync(device: torch.device) -> None:
@@ -100,9 +103,11 @@ def latency(fn: Callable, sets: list[tuple], device: torch.device, iters: int,
         for i in range(warmup):
             fn(*sets[i % len(sets)])
         _sync(device)
+        clock = None
         if device.type == "cuda":
-            times = _cuda_event_times(fn, sets, iters)
-            method = "cuda-events"
+            with Clocks(device) as clocks:
+                times = _cuda_event_times(fn, sets, iters)
+            clock, method = clocks.summary(), "cuda-events"
         else:
             times = []
             for i in range(iters):
@@ -112,7 +117,66 @@ def latency(fn: Callable, sets: list[tuple], device: torch.device, iters: int,
             method = "perf_counter"
     ordered = sorted(times)
     return Latency(statistics.median(times), ordered[0], ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
-                   iters, method)
+                   iters, method, clock)
+
+
+# NVML's clock-event reasons that lower the clock below what the work asks for: software power cap, hardware
+# slowdown, software and hardware thermal slowdown, power brake (nvml.h, nvmlClocksEventReason*).
+LIMITED = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+
+
+class Clocks:
+    """The GPU's SM clock and its limits, read through NVML (nvidia-ml-py) every `every_s` in a thread while the
+    `with` block runs: a GPU held at its power limit lowers its clock, and a call's time with it. On an H200
+    (forty-seventh session, bench/sustained.py) ResNet-50 bs256 took 5.82 ms a call from an idle GPU, at 1980
+    MHz, and 6.3 ms held busy, at a median 1740 MHz and 700 W: the same kernels. Reads nothing on CPU, or where
+    NVML cannot be loaded or does not know the device."""
+
+    def __init__(self, device: torch.device, every_s: float = 0.01):
+        self.reads: list[tuple[int, int]] = []  # (SM MHz, clock-event reasons)
+        self.every_s, self.max_mhz, self._read = every_s, None, None
+        self._done = threading.Event()
+        if device.type != "cuda":
+            return
+        try:
+            import pynvml
+        except ImportError:
+            return
+        try:
+            pynvml.nvmlInit()
+            # by UUID: NVML's indices ignore CUDA_VISIBLE_DEVICES
+            handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{torch.cuda.get_device_properties(device).uuid}")
+            self.max_mhz = pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM)
+        except pynvml.NVMLError:  # no driver library, a MIG slice, a device it does not know: the clock stays unread
+            return
+        reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        self._read = lambda: (pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM), reasons(handle))
+
+    def __enter__(self):
+        if self._read is not None:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+        if self._read is not None:
+            self._thread.join()
+
+    def _run(self):
+        while True:
+            self.reads.append(self._read())
+            if self._done.wait(self.every_s):
+                return
+
+    def summary(self) -> dict | None:
+        """{"sm_mhz": the median read, "max_mhz": the GPU's highest SM clock, "limited": the share of reads with a
+        power or thermal limit on}, or None where nothing was read."""
+        if not self.reads:
+            return None
+        return {"sm_mhz": statistics.median(r[0] for r in self.reads), "max_mhz": self.max_mhz,
+                "limited": sum(bool(r[1] & LIMITED) for r in self.reads) / len(self.reads)}
 
 
 @dataclasses.dataclass

@@ -85,7 +85,8 @@ def test_peers_eager_and_resfuse(bench):
             assert isinstance(peer[key], kind), (name, key)
     assert result["peers"]["resfuse"]["within_bound"] is True and "err_bound" not in result["peers"]["eager"]
     assert all(peer["gpu_ms"] is None for peer in result["peers"].values())  # CPU: no GPU time to give
-    assert "GPU ms" not in [c.header for c in report.table(result).columns]
+    assert all(peer["clock"] is None and peer["gpu_ms_clock"] is None for peer in result["peers"].values())
+    assert not {"GPU ms", "SM MHz"} & {c.header for c in report.table(result).columns}
     resfuse, eager = result["peers"]["resfuse"], result["peers"]["eager"]
     assert resfuse["max_rel_err"] < 1e-4  # fp32: resfuse must compute eager's function
     assert eager["speedup_of_resfuse"]["resfuse"] == pytest.approx(eager["latency_ms"] / resfuse["latency_ms"])
@@ -265,6 +266,36 @@ def test_gpu_us_leaves_the_host_out():
     assert timing.latency(call, sets, torch.device("cuda"), 5).median_ms * 1e3 > 2000
     with pytest.raises(RuntimeError, match="never enqueued"):
         timing.gpu_us(lambda x: torch.cuda.synchronize(), sets, calls=2, tries=2)
+
+
+def test_a_peer_timed_at_the_power_limit_is_noted_with_its_clocks():
+    held = {"sm_mhz": 1740.0, "max_mhz": 1980, "limited": 0.97}
+    peers = {"compile": {"status": "ok", "clock": held, "gpu_ms_clock": {**held, "sm_mhz": 1650.0}},
+             "resfuse": {"status": "ok", "clock": {**held, "sm_mhz": 1980.0, "limited": 0.1}},  # under LIMITED
+             "eager": {"status": "error", "error": "boom", "clock": held},
+             "resfuse+graphs": {"status": "ok", "clock": {**held, "max_mhz": None}, "gpu_ms_clock": None}}
+    lines = run.clock_limited({"peers": peers})
+    assert [line.split()[0] for line in lines] == ["compile", "resfuse+graphs"]
+    assert lines[0].endswith("SM clock 1740 of 1980 MHz over its timed calls, 1650 MHz over its GPU ms")
+    assert lines[1].endswith("SM clock 1740 MHz over its timed calls")
+
+
+def test_clocks_summarise_their_reads():
+    clocks = timing.Clocks(torch.device("cpu"))
+    assert clocks.summary() is None
+    with clocks:  # CPU: nothing to read, and no thread
+        pass
+    assert clocks.reads == [] and clocks.summary() is None
+    clocks.reads, clocks.max_mhz = [(1980, 0x0), (1650, 0x4), (1605, 0x4), (1700, 0x1)], 1980  # 0x1: idle, no limit
+    assert clocks.summary() == {"sm_mhz": 1675.0, "max_mhz": 1980, "limited": 0.5}
+    reader = timing.Clocks(torch.device("cpu"), every_s=0.001)
+    reader._read = lambda: (1605, 0x4)  # NVML's part, injected: the thread reads until the block ends
+    with reader:
+        time.sleep(0.05)
+    reads = len(reader.reads)
+    assert reads >= 2 and reader.summary() == {"sm_mhz": 1605, "max_mhz": None, "limited": 1.0}
+    time.sleep(0.01)
+    assert len(reader.reads) == reads  # stopped with the block
 
 
 def test_a_peer_whose_latency_passes_its_gpu_time_is_noted_host_bound():
