@@ -342,7 +342,15 @@ def host_bound(result: dict) -> list[str]:
     return lines
 
 
-LIMITED = 0.5  # the share of clock reads with a power or thermal limit on past which a peer's note says so
+SLOWED = 0.97  # a limited median SM clock under this share of the GPU's highest: the peer's note says so
+
+
+def slowed(clock: dict) -> bool:
+    """A power or thermal limit held the clock down: some reads say so and the median is under SLOWED of the highest
+    (without the highest, half the reads)."""
+    if not clock["limited"]:
+        return False
+    return clock["sm_mhz"] < SLOWED * clock["max_mhz"] if clock["max_mhz"] else clock["limited"] >= 0.5
 
 
 def clock_limited(result: dict) -> list[str]:
@@ -352,7 +360,7 @@ def clock_limited(result: dict) -> list[str]:
     lines = []
     for name, peer in result["peers"].items():
         clock, gpu_clock = peer.get("clock"), peer.get("gpu_ms_clock")
-        if peer["status"] != "ok" or not clock or clock["limited"] < LIMITED:
+        if peer["status"] != "ok" or not clock or not slowed(clock):
             continue
         top = f" of {clock['max_mhz']:.0f}" if clock["max_mhz"] else ""
         line = (f"{name} ran at the GPU's power or thermal limit: SM clock {clock['sm_mhz']:.0f}{top} MHz over its "

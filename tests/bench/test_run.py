@@ -269,11 +269,14 @@ def test_gpu_us_leaves_the_host_out():
 
 
 def test_a_peer_timed_at_the_power_limit_is_noted_with_its_clocks():
-    held = {"sm_mhz": 1740.0, "max_mhz": 1980, "limited": 0.97}
+    held = {"sm_mhz": 1740.0, "max_mhz": 1980, "limited": 0.37}  # H200, BERT bs32: the clock falls within the run
     peers = {"compile": {"status": "ok", "clock": held, "gpu_ms_clock": {**held, "sm_mhz": 1650.0}},
-             "resfuse": {"status": "ok", "clock": {**held, "sm_mhz": 1980.0, "limited": 0.1}},  # under LIMITED
+             "reduce-overhead": {"status": "ok", "clock": {**held, "sm_mhz": 1935.0}},  # 98% of the highest
+             "resfuse": {"status": "ok", "clock": {**held, "limited": 0.0}},  # a low clock, no limit: an idle GPU
              "eager": {"status": "error", "error": "boom", "clock": held},
-             "resfuse+graphs": {"status": "ok", "clock": {**held, "max_mhz": None}, "gpu_ms_clock": None}}
+             "max-autotune": {"status": "ok", "clock": {**held, "max_mhz": None}},  # under half the reads limited
+             "resfuse+graphs": {"status": "ok", "clock": {**held, "max_mhz": None, "limited": 0.9},
+                                "gpu_ms_clock": None}}
     lines = run.clock_limited({"peers": peers})
     assert [line.split()[0] for line in lines] == ["compile", "resfuse+graphs"]
     assert lines[0].endswith("SM clock 1740 of 1980 MHz over its timed calls, 1650 MHz over its GPU ms")
