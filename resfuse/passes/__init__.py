@@ -15,6 +15,7 @@ from ..config import Config
 from .add_to_output import add_to_output
 from .bn_backward import batch_norm_backward
 from .chain import chain_convs
+from .conv_args import full_conv_args
 from .conv_stats import conv_stats
 from .match_epilogue import match_epilogue
 from .pad_channels import pad_channels
@@ -51,7 +52,8 @@ def _collect(gm, ctx):
 
 
 PASSES = [
-    ("sink_permutes", sink_permutes),  # first: brings a permuted GEMM's consumers next to it for the fusions
+    ("full_conv_args", full_conv_args),  # first: every pass after it reads a conv's stride, padding, ... per dim
+    ("sink_permutes", sink_permutes),  # before the fusions: brings a permuted GEMM's consumers next to it for the fusions
     ("match_epilogue", _epilogue),
     ("add_to_output", add_to_output),  # after match_epilogue: it extends the fused ops that pass made
     ("shortcut_bn", shortcut_bn),  # after add_to_output: folds the batch norm whose output that pass absorbed

@@ -89,3 +89,27 @@ def test_small_resnet_fp16_runs_our_kernels_and_sums_each_shortcut_conv():
     assert rel(out.double(), ref) < 5e-3
     shortcuts = [f for f in compiled.resfuse_report.fusions if f.anchor == "conv2d_shortcut"]
     assert len(shortcuts) == 4 and {f.ran for f in shortcuts} == {"triton"}
+
+
+def test_efficientnet_whose_convs_pad_valid_fuses():
+    """HF's EfficientNet writes its pointwise and stride-2 depthwise convs with padding="valid", which ATen traces
+    to one value for both dims; the passes once failed on it and ran the whole graph unfused. Its convs are
+    re-drawn at He scale and its batch norms calibrated: HF's initialisation collapses the activations to 0."""
+    from resfuse.bench.models import calibrate
+
+    torch.manual_seed(0)
+    config = transformers.EfficientNetConfig(image_size=64, width_coefficient=1.0, depth_coefficient=1.0,
+                                             hidden_dim=1280)  # B0's sizes
+    model = transformers.EfficientNetModel(config)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Conv2d):
+            torch.nn.init.kaiming_normal_(m.weight)
+    calibrate(model, [torch.randn(4, 3, 64, 64) for _ in range(2)])
+    model.eval()
+    report, err = compile_and_compare(model, torch.randn(1, 3, 64, 64))
+    assert report.errors == [] and err <= 1e-4
+    convs = [f for f in report.fusions if f.anchor == "conv2d"]
+    assert len(convs) == sum(isinstance(m, torch.nn.Conv2d) for m in model.modules())  # every conv
+    # each batch norm into its conv; the squeeze-excitation convs take their bias
+    assert sum(f.ops[0] == "bn" for f in convs) == sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
+    assert all(f.ops[0] in ("bn", "bias") for f in convs)
