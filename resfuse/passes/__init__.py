@@ -12,6 +12,7 @@ from pathlib import Path
 import torch.fx as fx
 
 from ..config import Config
+from .activations import named_activations
 from .add_to_output import add_to_output
 from .bn_backward import batch_norm_backward
 from .chain import chain_convs
@@ -53,6 +54,7 @@ def _collect(gm, ctx):
 
 PASSES = [
     ("full_conv_args", full_conv_args),  # first: every pass after it reads a conv's stride, padding, ... per dim
+    ("named_activations", named_activations),  # before the fusions: an activation written out becomes one op
     ("sink_permutes", sink_permutes),  # before the fusions: brings a permuted GEMM's consumers next to it for the fusions
     ("match_epilogue", _epilogue),
     ("add_to_output", add_to_output),  # after match_epilogue: it extends the fused ops that pass made

@@ -113,3 +113,14 @@ def test_efficientnet_whose_convs_pad_valid_fuses():
     # each batch norm into its conv; the squeeze-excitation convs take their bias
     assert sum(f.ops[0] == "bn" for f in convs) == sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
     assert all(f.ops[0] in ("bn", "bias") for f in convs)
+
+
+def test_gpt2_fuses_its_written_out_gelu_into_the_mlp():
+    """GPT-2 writes its activation (gelu_new) as eight elementwise ops; each MLP's up-projection fuses it."""
+    torch.manual_seed(0)
+    model = transformers.GPT2Model(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=500)).eval()
+    report, err = compile_and_compare(model, torch.randint(0, 500, (2, 12)))
+    assert report.errors == [] and err <= 1e-4
+    assert report.rewrites == ["inference graph: 2 gelu_new written out in elementwise ops replaced by their one op"]
+    up = [f for f in report.fusions if f.anchor == "gemm" and f.shapes["out"][-1] == 4 * 64]
+    assert len(up) == 2 and all(f.ops == ["bias", "gelu"] for f in up)

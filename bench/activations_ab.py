@@ -1,0 +1,67 @@
+"""GPT-2 with and without the named_activations pass, interleaved (GPU).
+
+  python bench/activations_ab.py [--model hf-gpt2] [--batch 32] [--rounds 5] --out $OUT
+
+"before" compiles a copy of the model with the pass taken out of the pass list (its MLP's gelu_new, eight
+elementwise ops, then runs in Inductor's kernel after our GEMM), "after" with it (the GELU in the GEMM's
+epilogue). Both are resfuse+graphs, compiled once each and alive side by side (a deep copy each, so Dynamo keeps
+both), then timed in alternation, `rounds` times: the GPU's time a call (timing.gpu_us, 20 calls queued) and the
+CUDA-event latency. Errors against eager. Prints a table; JSON to $OUT.
+"""
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import resfuse  # noqa: E402
+from resfuse import passes  # noqa: E402
+from resfuse.bench import models, timing  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="hf-gpt2")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    torch.backends.cudnn.benchmark = True
+    model, inputs = models.load(args.model, args.batch, torch.float16, "cuda")
+    sets = timing.input_sets(inputs)
+    with torch.no_grad():
+        ref = model(*inputs).float()
+    without = [step for step in passes.PASSES if step[0] != "named_activations"]
+    fns, res = {}, {}
+    for variant in ("before", "after"):
+        fn = resfuse.compile(copy.deepcopy(model), cuda_graphs=True)
+        with mock.patch.object(passes, "PASSES", without if variant == "before" else passes.PASSES), \
+                torch.no_grad():
+            out = fn(*inputs).float()
+            for s in sets:
+                fn(*s)
+        fns[variant] = fn
+        report = fn.resfuse_report
+        res[variant] = {"rel_err": ((out - ref).norm() / ref.norm()).item(), "gpu_us": [], "latency_ms": [],
+                        "fusions": sorted({"+".join(f.ops) for f in report.fusions}), "rewrites": report.rewrites}
+    for _ in range(args.rounds):
+        for variant, fn in fns.items():
+            res[variant]["gpu_us"].append(timing.gpu_us(fn, sets, calls=20))
+            res[variant]["latency_ms"].append(timing.latency(fn, sets, torch.device("cuda"), 50).median_ms)
+    with open(os.path.join(args.out, "activations_ab.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"{args.model} bs{args.batch}: median of {args.rounds} rounds")
+    for variant, r in res.items():
+        print(f"{variant:<7} GPU us {statistics.median(r['gpu_us']):9.1f}  latency ms "
+              f"{statistics.median(r['latency_ms']):7.3f}  rel err {r['rel_err']:.1e}  fusions {r['fusions']}")
+    diff = statistics.median(b - a for a, b in zip(res["before"]["gpu_us"], res["after"]["gpu_us"]))
+    print(f"after - before, GPU us a call (median of the rounds' differences): {diff:+.1f}")
+
+
+if __name__ == "__main__":
+    main()
