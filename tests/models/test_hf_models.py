@@ -121,6 +121,20 @@ def test_gpt2_fuses_its_written_out_gelu_into_the_mlp():
     model = transformers.GPT2Model(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=500)).eval()
     report, err = compile_and_compare(model, torch.randint(0, 500, (2, 12)))
     assert report.errors == [] and err <= 1e-4
-    assert report.rewrites == ["inference graph: 2 gelu_new written out in elementwise ops replaced by their one op"]
+    assert report.rewrites == ["inference graph: 2 gelu_new written out in elementwise ops, replaced by one op each"]
     up = [f for f in report.fusions if f.anchor == "gemm" and f.shapes["out"][-1] == 4 * 64]
     assert len(up) == 2 and all(f.ops == ["bias", "gelu"] for f in up)
+
+
+def test_clip_vision_fuses_its_quick_gelu_into_the_mlp():
+    """CLIP's QuickGELU, x * sigmoid(1.702 x), becomes silu(1.702 x) / 1.702: a chain each MLP's up-projection
+    takes into its epilogue."""
+    torch.manual_seed(0)
+    config = transformers.CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=4, image_size=32, patch_size=8)
+    model = transformers.CLIPVisionModel(config).eval()
+    report, err = compile_and_compare(model, torch.randn(2, 3, 32, 32))
+    assert report.errors == [] and err <= 1e-4
+    assert "inference graph: 2 quick_gelu written out in elementwise ops, replaced by one op each" in report.rewrites
+    up = [f for f in report.fusions if f.anchor == "gemm" and f.shapes["out"][-1] == 128]
+    assert len(up) == 2 and all(f.ops == ["bias", "mul", "silu", "div"] for f in up)
