@@ -1,6 +1,8 @@
 """Graph -> graph passes over an ATen FX graph, in order. Entry point: `run_passes(gm, ctx)`.
 
-Order matters: the permutes sink first, so that the elementwise ops after a permuted conv/GEMM follow it;
+Order matters: two normalising passes come first (a conv's list arguments written out per dim, an activation
+written out in elementwise ops replaced by its one op); then the permutes sink, so that the elementwise ops after a
+permuted conv/GEMM follow it;
 the epilogue pass runs next so that FuseAddToOutput finds fused producers to absorb adds
 into (and then lets the trailing activation follow the add in); the report reads the final graph.
 """
@@ -55,7 +57,7 @@ def _collect(gm, ctx):
 PASSES = [
     ("full_conv_args", full_conv_args),  # first: every pass after it reads a conv's stride, padding, ... per dim
     ("named_activations", named_activations),  # before the fusions: an activation written out becomes one op
-    ("sink_permutes", sink_permutes),  # before the fusions: brings a permuted GEMM's consumers next to it for the fusions
+    ("sink_permutes", sink_permutes),  # before the fusions: brings a permuted GEMM's consumers next to it
     ("match_epilogue", _epilogue),
     ("add_to_output", add_to_output),  # after match_epilogue: it extends the fused ops that pass made
     ("shortcut_bn", shortcut_bn),  # after add_to_output: folds the batch norm whose output that pass absorbed

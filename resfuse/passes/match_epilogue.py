@@ -1,6 +1,6 @@
 """Epilogue fusion pass: each conv/GEMM anchor absorbs its elementwise consumers while the legality rules allow.
 
-Entry point: `match_epilogue(gm, ctx)`, the first pass. `grow(group, ctx)` is shared with add_to_output.py,
+Entry point: `match_epilogue(gm, ctx)`, the first fusion pass. `grow(group, ctx)` is shared with add_to_output.py,
 which re-opens a fused op after absorbing an add so that the trailing activation follows it in.
 
 Anchors: conv2d, mm/addmm/bmm, and in training graphs the output 0 of training batch norm (forward) and of
