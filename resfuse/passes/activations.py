@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.utils.matcher_utils import SubgraphMatcher
 
@@ -46,7 +47,8 @@ FORMULAS = [
 @functools.cache
 def _patterns() -> list[tuple[str, fx.Graph, fx.Graph]]:
     def trace(f):  # f of one argument: make_fx traces every parameter of its signature
-        return make_fx(f)(torch.randn(4)).graph
+        with unset_fake_temporarily():  # real tracing, even where a caller's fake mode is on
+            return make_fx(f)(torch.randn(4)).graph
 
     return [(name, trace(formula), trace(one)) for name, formula, one in FORMULAS]
 
