@@ -4,7 +4,8 @@ Entry point: `add_to_output(gm, ctx)`, the second pass. Producers that can accum
 fused conv/GEMM ops (the add joins the epilogue, the operand is read once in place of three passes over the
 tensor: 3N bytes unfused, N fused), bare conv/mm/bmm anchors, training batch norm (forward) and the conv
 data gradient (backward), and, with epilogue fusion off, mm as addmm(beta=1). A GEMM is also reached through
-a linear layer's view and through autocast's fp32 copy of its output (the op then stores fp32). The rules
+a linear layer's view, through an eval-mode dropout's clone of that view (T5's residual adds), and through
+autocast's fp32 copy of its output (the op then stores fp32). The rules
 (legality.py): the add is the producer's sole consumer, the producer has not already absorbed an add, the
 other operand does not depend on the producer, has the output's shape, dtype (or the fp32 an add promotes
 to) and strides, does not alias the producer's inputs, and nothing involved is mutated. Forward graphs try
@@ -50,12 +51,25 @@ def _cast_of(node) -> fx.Node | None:
     return src if v.dtype in (torch.float16, torch.bfloat16) else None
 
 
+def _clone_of(node) -> fx.Node | None:
+    """The linear layer's view that `node`, a clone keeping its layout (eval-mode dropout), copies, or None."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target == aten.clone.default):
+        return None
+    src, v = node.args[0], legality.val(node)
+    if _gemm_behind_view(src) is None or len(src.users) != 1 or v is None:
+        return None
+    return src if legality.same_strides(v, legality.val(src)) else None
+
+
 def _refusal(producer, other: fx.Node, add: fx.Node) -> str | None:
     if not isinstance(producer, fx.Node) or producer.op != "call_function":
         return "not an op that can accumulate into its output"
     cast_of = _cast_of(producer)
     if cast_of is not None:  # the producer's fp32 copy: the producer stores fp32 itself
         return legality.first(legality.sole_consumer(producer), _refusal(cast_of, other, add))
+    clone_of = _clone_of(producer)
+    if clone_of is not None:  # a copy of the GEMM's view: the GEMM writes the add's result in its place
+        return legality.first(legality.sole_consumer(producer), _refusal(clone_of, other, add))
     view_of = _gemm_behind_view(producer)
     if view_of is not None:
         return legality.first(_layout(other, producer, add), _refusal(view_of, other, add))
@@ -100,9 +114,11 @@ def _promotion_refusal(producer: fx.Node, add: fx.Node) -> str | None:
 
 
 def _absorb(producer: fx.Node, other: fx.Node, add: fx.Node, ctx) -> str | None:
-    cast = view = None
+    cast = clone = view = None
     if _cast_of(producer) is not None:
         cast, producer = producer, _cast_of(producer)
+    if _clone_of(producer) is not None:
+        clone, producer = producer, _clone_of(producer)
     if _gemm_behind_view(producer) is not None:
         view, producer = producer, _gemm_behind_view(producer)
     promoted = cast is not None or legality.promotes(add, legality.val(view if view is not None else producer))
@@ -122,6 +138,9 @@ def _absorb(producer: fx.Node, other: fx.Node, add: fx.Node, ctx) -> str | None:
         g.params = (legality.shape_param(legality.val(view).shape),)
         g.absorb(view, g.tree)
         producer = view
+    if clone is not None:  # ... in the clone's place
+        g.absorb(clone, g.tree)
+        producer = clone
     if cast is not None:  # ... and in fp32
         g.absorb(cast, g.tree)
         producer = cast

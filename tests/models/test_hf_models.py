@@ -138,3 +138,16 @@ def test_clip_vision_fuses_its_quick_gelu_into_the_mlp():
     assert "inference graph: 2 quick_gelu written out in elementwise ops, replaced by one op each" in report.rewrites
     up = [f for f in report.fusions if f.anchor == "gemm" and f.shapes["out"][-1] == 128]
     assert len(up) == 2 and all(f.ops == ["bias", "mul", "silu", "div"] for f in up)
+
+
+def test_t5_encoder_absorbs_residual_adds_behind_eval_dropout():
+    """T5 adds each sublayer's output projection to the residual through an eval-mode dropout, a clone of the
+    linear's view in the graph; the GEMM absorbs the add through both."""
+    torch.manual_seed(0)
+    config = transformers.T5Config(num_layers=2, d_model=64, d_ff=128, num_heads=4, d_kv=16, vocab_size=500)
+    model = transformers.T5EncoderModel(config).eval()
+    report, err = compile_and_compare(model, torch.randint(0, 500, (2, 12)))
+    assert report.errors == [] and err <= 1e-4
+    # per layer: the attention's output projection and the FFN's down projection, neither with a bias
+    assert sum(f.anchor == "gemm" and f.ops == ["add"] for f in report.fusions) == 4
+    assert not any("clone" in r.reason for r in report.rejected)
