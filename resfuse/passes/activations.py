@@ -53,11 +53,6 @@ def _patterns() -> list[tuple[str, fx.Graph, fx.Graph]]:
     return [(name, trace(formula), trace(one)) for name, formula, one in FORMULAS]
 
 
-def _order(graph: fx.Graph):
-    position = {node: i for i, node in enumerate(graph.nodes)}
-    return position.__getitem__
-
-
 def _inline(graph: fx.Graph, one: fx.Graph, x: fx.Node) -> fx.Node:
     """`one`'s ops applied to x, inserted at the graph's insertion point, each with its fake value; its output."""
     env = {}
@@ -87,9 +82,9 @@ def named_activations(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                 continue  # a formula over a broadcast or promoted input is not the activation of x alone
             with gm.graph.inserting_before(out):
                 out.replace_all_uses_with(_inline(gm.graph, one, x))
-            inner = [n for p, n in match.nodes_map.items() if p.op == "call_function"]
-            for node in sorted(inner, key=_order(gm.graph), reverse=True):  # consumers first
-                gm.graph.erase_node(node)
+            for p in reversed(pattern.nodes):  # the pattern's own order, reversed: consumers first
+                if p.op == "call_function":
+                    gm.graph.erase_node(match.nodes_map[p])
             found[name] = found.get(name, 0) + 1
     if found:
         gm.recompile()
