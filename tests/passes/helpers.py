@@ -89,6 +89,17 @@ def compare(model, x, **config):
     return out, ref, compiled.resfuse_report
 
 
+def against_float64(model, *inputs):
+    """(resfuse's output, the float64 eager output, the report) of `model` compiled under the interpreter in its own
+    dtype; the model is float64 afterwards."""
+    torch._dynamo.reset()
+    compiled = resfuse.compile(model, interpret=True)
+    with torch.no_grad():
+        out = compiled(*inputs)
+        ref = model.double()(*(x.double() for x in inputs))
+    return out, ref, compiled.resfuse_report
+
+
 def unloadable(calls: list):
     """A plan's `launch` failing as a config too large for the GPU's shared memory does (Triton raises as the kernel
     loads, before anything runs), each call counted in `calls`."""

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 import resfuse
 from resfuse.passes.activations import FORMULAS
 
-from .helpers import rel
+from .helpers import against_float64, rel
 
 FUSED = {"gelu_new": ["gelu"], "gelu_accurate": ["gelu"], "gelu_fast": ["gelu"], "gelu_python": ["gelu"],
          "silu": ["silu"], "quick_gelu": ["mul", "silu", "div"]}  # quick_gelu: silu(1.702 x) / 1.702
@@ -34,12 +34,7 @@ def test_a_written_out_activation_fuses_into_its_gemm(index, rows, width, hidden
     torch.manual_seed(seed)
     mlp = Mlp(formula, width, hidden, bias).eval()
     x = torch.randn(2, rows, width) * 2  # wide enough to reach both tails of the activation
-    torch._dynamo.reset()
-    compiled = resfuse.compile(mlp, interpret=True)
-    with torch.no_grad():
-        out = compiled(x)
-        ref = mlp.double()(x.double())
-    report = compiled.resfuse_report
+    out, ref, report = against_float64(mlp, x)
     assert report.errors == []
     # named by the first formula of the same graph (gelu_accurate's ints may match gelu_new's floats)
     assert sum("1 " in r and "written out in elementwise ops" in r for r in report.rewrites) == 1, report.rewrites
@@ -64,11 +59,8 @@ def test_a_formula_whose_inner_value_is_read_elsewhere_stays_as_written():
     torch.manual_seed(0)
     net = Net().eval()
     x = torch.randn(5, 8)
-    torch._dynamo.reset()
-    compiled = resfuse.compile(net, interpret=True)
-    with torch.no_grad():
-        out, ref = compiled(x), net.double()(x.double())
-    assert not any("written out" in r for r in compiled.resfuse_report.rewrites)
+    out, ref, report = against_float64(net, x)
+    assert not any("written out" in r for r in report.rewrites)
     assert all(rel(a, b) < 1e-5 for a, b in zip(out, ref))
 
 

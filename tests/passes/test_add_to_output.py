@@ -4,9 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-import resfuse
-
-from .helpers import rel
+from .helpers import against_float64, rel
 
 
 class Sublayer(nn.Module):
@@ -24,12 +22,7 @@ def test_a_residual_add_behind_eval_dropout_joins_the_gemm(bias, rows):
     torch.manual_seed(rows + bias)
     layer = Sublayer(24, bias).eval()
     x, h = torch.randn(2, rows, 24), torch.randn(2, rows, 24)
-    torch._dynamo.reset()
-    compiled = resfuse.compile(layer, interpret=True)
-    with torch.no_grad():
-        out = compiled(x, h)
-        ref = layer.double()(x.double(), h.double())
-    report = compiled.resfuse_report
+    out, ref, report = against_float64(layer, x, h)
     assert report.errors == [] and report.rejected == []
     assert [(f.anchor, f.ops, f.ran) for f in report.fusions] == [("gemm", ["bias"] * bias + ["add"], "triton")]
     assert rel(out, ref) < 1e-5

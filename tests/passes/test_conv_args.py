@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import resfuse
 
-from .helpers import rel
+from .helpers import against_float64, rel
 
 FORMS = [dict(padding="valid"), dict(padding="same"), dict(padding="same", dilation=2), dict(padding=1),
          dict(padding=(1, 0)), dict(stride=2, padding=(0, 1)), dict(stride=(2, 1), padding="valid")]
@@ -40,12 +40,7 @@ def test_every_form_of_a_convs_arguments_fuses_and_matches_eager(conv):
     net.bn.running_mean.normal_()
     net.bn.running_var.uniform_(0.5, 1.5)
     x, r = inputs(net)
-    torch._dynamo.reset()
-    compiled = resfuse.compile(net, interpret=True)
-    with torch.no_grad():
-        out = compiled(x, r)
-        ref = net.double()(x.double(), r.double())
-    report = compiled.resfuse_report
+    out, ref, report = against_float64(net, x, r)
     assert report.errors == []
     assert sorted(f.ops for f in report.fusions) == [["bias", "add", "relu"], ["bn", "relu"]]
     assert {f.ran for f in report.fusions} == {"triton"}
