@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 
 import torch
@@ -30,41 +29,32 @@ import resfuse  # noqa: E402
 from resfuse.bench import models, timing  # noqa: E402
 
 
-class Clocks(threading.Thread):
-    """NVML reads every 5 ms, tagged with the phase named in `self.phase` at the time of the read."""
+class PhaseClocks(timing.Clocks):
+    """timing.Clocks' reads every 5 ms, each with the power draw and the temperature, tagged with the phase named in
+    `self.phase` at the time of the read (None between phases)."""
 
     def __init__(self):
-        super().__init__(daemon=True)
-        import pynvml
-        self.nv = pynvml
-        pynvml.nvmlInit()
-        self.handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        self.phase, self.reads, self.stop = None, [], False
-
-    def run(self):
-        nv, h = self.nv, self.handle
-        reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-            nv.nvmlDeviceGetCurrentClocksThrottleReasons
-        while not self.stop:
-            if self.phase is not None:
-                self.reads.append((self.phase, nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
-                                   nv.nvmlDeviceGetPowerUsage(h) / 1e3, reasons(h),
-                                   nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)))
-            time.sleep(0.005)
+        super().__init__(torch.device("cuda"), every_s=0.005)
+        if self._read is None:
+            raise SystemExit("NVML (nvidia-ml-py) cannot read this GPU")
+        self.phase = None
+        sm_and_reasons, nv, h = self._read, self.nv, self.handle
+        self._read = lambda: (self.phase, *sm_and_reasons(), nv.nvmlDeviceGetPowerUsage(h) / 1e3,
+                              nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))
 
     def summary(self, phase: str) -> dict:
-        reads = [r for r in self.reads if r[0] == phase]
+        reads = [r for r in self.reads if r[0] == phase]  # (phase, MHz, reasons, W, C)
         if not reads:
             return {}
         reasons = 0
         for r in reads:
-            reasons |= r[3]
+            reasons |= r[2]
         return {"sm_mhz": statistics.median(r[1] for r in reads), "min_sm_mhz": min(r[1] for r in reads),
-                "watts": statistics.median(r[2] for r in reads), "max_watts": max(r[2] for r in reads),
+                "watts": statistics.median(r[3] for r in reads), "max_watts": max(r[3] for r in reads),
                 "reasons": hex(reasons), "temp_c": max(r[4] for r in reads), "reads": len(reads)}
 
 
-def run_for(fn, sets, seconds: float, clocks: Clocks | None = None) -> tuple[float, float | None]:
+def run_for(fn, sets, seconds: float, clocks: PhaseClocks | None = None) -> tuple[float, float | None]:
     """Calls back to back for `seconds`: the median CUDA-event latency of the last third's calls, ms, and with
     `clocks` the joules a call over all of them (NVML's energy counter, mJ, read before and after)."""
     nv = clocks and clocks.nv
@@ -88,62 +78,60 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     torch.backends.cudnn.benchmark = True
-    clocks = Clocks()
-    clocks.start()
-    results, rows = {}, []
-    for job in args.jobs.split(","):
-        name, batch = job.split(":")
-        model, inputs = models.load(name, int(batch), torch.float16, "cuda")
-        sets = timing.input_sets(inputs)
-        torch._dynamo.reset()
-        variants = {"graphs": resfuse.compile(model, cuda_graphs=True),
-                    "no graphs": resfuse.compile(model, cuda_graphs=False)}
-        with torch.no_grad():
-            for fn in variants.values():
-                for s in sets:
-                    fn(*s)
-            torch.cuda.synchronize()
-        res = results[job] = {}
-        graphed = variants["graphs"]
-        for variant, fn in variants.items():
-            for state in ("cool", "hot"):
-                phase = f"{job} {variant} {state}"
-                times = []
-                for _ in range(args.repeats):
-                    clocks.phase = None
-                    if state == "cool":
-                        time.sleep(2.0)
-                    else:
-                        run_for(graphed, sets, args.seconds)
-                    clocks.phase = phase
-                    times.append(timing.gpu_us(fn, sets, calls=1) / 1e3)
-                clocks.phase = None
-                res[phase] = {"ms": statistics.median(times), "all_ms": times, **clocks.summary(phase)}
-        for variant in ("graphs", "compile") if args.compile else ("graphs",):
-            if variant == "compile":  # after ours: the reset drops our compiled graphs
-                torch._dynamo.reset()
-                fn = torch.compile(model)
-                with torch.no_grad():
+    with PhaseClocks() as clocks:
+        results, rows = {}, []
+        for job in args.jobs.split(","):
+            name, batch = job.split(":")
+            model, inputs = models.load(name, int(batch), torch.float16, "cuda")
+            sets = timing.input_sets(inputs)
+            torch._dynamo.reset()
+            variants = {"graphs": resfuse.compile(model, cuda_graphs=True),
+                        "no graphs": resfuse.compile(model, cuda_graphs=False)}
+            with torch.no_grad():
+                for fn in variants.values():
                     for s in sets:
                         fn(*s)
-            else:
-                fn = graphed
-            phase = f"{job} {variant} sustained"
-            time.sleep(2.0)
-            clocks.phase = phase
-            ms, joules = run_for(fn, sets, args.seconds, clocks)
-            clocks.phase = None
-            res[phase] = {"ms": ms, "joules_a_call": joules, **clocks.summary(phase)}
-        for phase, r in res.items():
-            joules = r.get("joules_a_call")
-            rows.append(f"{phase:<40} {r['ms']:8.3f} {r.get('sm_mhz', 0):7.0f} {r.get('min_sm_mhz', 0):7.0f} "
-                        f"{r.get('watts', 0):6.0f} {r.get('max_watts', 0):6.0f} {r.get('temp_c', 0):4d} "
-                        f"{r.get('reasons', '-'):>8} {'-' if joules is None else format(joules, '.2f'):>6}")
-        print("\n".join(rows[-len(res):]), flush=True)
-        del variants, graphed, fn
-        torch._dynamo.reset()
-        torch.cuda.empty_cache()
-    clocks.stop = True
+                torch.cuda.synchronize()
+            res = results[job] = {}
+            graphed = variants["graphs"]
+            for variant, fn in variants.items():
+                for state in ("cool", "hot"):
+                    phase = f"{job} {variant} {state}"
+                    times = []
+                    for _ in range(args.repeats):
+                        clocks.phase = None
+                        if state == "cool":
+                            time.sleep(2.0)
+                        else:
+                            run_for(graphed, sets, args.seconds)
+                        clocks.phase = phase
+                        times.append(timing.gpu_us(fn, sets, calls=1) / 1e3)
+                    clocks.phase = None
+                    res[phase] = {"ms": statistics.median(times), "all_ms": times, **clocks.summary(phase)}
+            for variant in ("graphs", "compile") if args.compile else ("graphs",):
+                if variant == "compile":  # after ours: the reset drops our compiled graphs
+                    torch._dynamo.reset()
+                    fn = torch.compile(model)
+                    with torch.no_grad():
+                        for s in sets:
+                            fn(*s)
+                else:
+                    fn = graphed
+                phase = f"{job} {variant} sustained"
+                time.sleep(2.0)
+                clocks.phase = phase
+                ms, joules = run_for(fn, sets, args.seconds, clocks)
+                clocks.phase = None
+                res[phase] = {"ms": ms, "joules_a_call": joules, **clocks.summary(phase)}
+            for phase, r in res.items():
+                joules = r.get("joules_a_call")
+                rows.append(f"{phase:<40} {r['ms']:8.3f} {r.get('sm_mhz', 0):7.0f} {r.get('min_sm_mhz', 0):7.0f} "
+                            f"{r.get('watts', 0):6.0f} {r.get('max_watts', 0):6.0f} {r.get('temp_c', 0):4d} "
+                            f"{r.get('reasons', '-'):>8} {'-' if joules is None else format(joules, '.2f'):>6}")
+            print("\n".join(rows[-len(res):]), flush=True)
+            del variants, graphed, fn
+            torch._dynamo.reset()
+            torch.cuda.empty_cache()
     with open(os.path.join(args.out, "sustained.json"), "w") as f:
         json.dump(results, f, indent=1)
     print(f"\n{'phase':<40} {'ms':>8} {'SM MHz':>7} {'min':>7} {'W':>6} {'max W':>6} {'C':>4} {'reasons':>8} "

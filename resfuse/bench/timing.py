@@ -135,6 +135,7 @@ class Clocks:
     def __init__(self, device: torch.device, every_s: float = 0.01):
         self.reads: list[tuple[int, int]] = []  # (SM MHz, clock-event reasons)
         self.every_s, self.max_mhz, self._read = every_s, None, None
+        self.nv = self.handle = None  # pynvml and the device's handle, where NVML knows the device
         self._done = threading.Event()
         if device.type != "cuda":
             return
@@ -151,6 +152,7 @@ class Clocks:
             return
         reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
             pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        self.nv, self.handle = pynvml, handle
         self._read = lambda: (pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM), reasons(handle))
 
     def __enter__(self):
