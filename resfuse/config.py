@@ -22,6 +22,9 @@ PROVIDERS = ("triton", "cudnn", "epilogue", "aten")
 class Config:
     fuse_epilogue: bool = True
     "Absorb bias / BN / activations / binary ops into the conv or GEMM that produces their input."
+    fuse_glu: bool = True
+    ("In inference, a gated MLP's act(x @ Wg^T) * (x @ Wu^T) (SwiGLU, GeGLU) runs as one GEMM over a weight whose "
+     "gate and up rows are interleaved, its epilogue pairing each tile's columns (with fuse_epilogue).")
     fuse_add_to_output: bool = True
     "OneFlow's FuseAddToOutput: a same-shape 2-input add is absorbed by the op that produces one operand."
     batch_norm_backward: bool = True

@@ -1,8 +1,8 @@
 """The epilogue IR: one small frozen tree per fused op, and everything derived from it.
 
-A tree has four kinds of node: `Acc` (the conv/GEMM accumulator), `Operand` (a tensor argument: a per-channel
-vector "c", a per-(sample, channel) vector "nc", or a "full" tensor with its own strides), `Const`, and `Op`
-(a unary or binary op from OPS, with float parameters). From a tree we derive:
+A tree has five kinds of node: `Acc` (the conv/GEMM accumulator), `Up` (a GLU's other half: see below), `Operand`
+(a tensor argument: a per-channel vector "c", a per-(sample, channel) vector "nc", or a "full" tensor with its own
+strides), `Const`, and `Op` (a unary or binary op from OPS, with float parameters). From a tree we derive:
   str(tree) / parse()   the canonical signature, passed to the custom ops and used as the cache key;
   pattern_ops()         the op labels from the accumulator outwards, e.g. ["bn", "add", "relu"];
   reference()           the math in torch, on [samples, rows, channels] views (see rows3);
@@ -15,6 +15,11 @@ Every fused output is seen as a [S, P, C] array: S samples, P rows per sample, C
 [N, K, OH, OW] is [N, OH*OW, K]; an mm output [M, N] is [1, M, N]; a bmm output [B, M, N] is [B, M, N]. An
 operand is any tensor that broadcasts to the output; rows3() gives its [S, P, C] strides, and a zero stride
 is a broadcast.
+
+A paired tree (one that reads `Up`, e.g. SwiGLU's mul(silu(acc), up)) is a gated linear unit's: the GEMM's weight
+interleaves the gate's and the up projection's output channels (passes/glu.py), so the accumulator has twice the
+output's channels, and output channel j reads the gate's value at column 2j (`acc`) and the up's at 2j + 1 (`up`).
+Every operand is the output's shape; `reference` pairs the columns, the kernels split each tile's accumulator.
 """
 from __future__ import annotations
 
@@ -32,6 +37,12 @@ import torch.nn.functional as F
 class Acc:
     def __str__(self):
         return "acc"
+
+
+@dataclasses.dataclass(frozen=True)
+class Up:
+    def __str__(self):
+        return "up"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +73,9 @@ class Op:
         return f"{self.name}{p}({','.join(map(str, self.args))})"
 
 
-Node = Union[Acc, Operand, Const, Op]
+Node = Union[Acc, Up, Operand, Const, Op]
 ACC = Acc()
+UP = Up()
 LONE_BIAS = Op("add", (ACC, Operand(0, "c")))  # a conv's or a linear layer's bias, and nothing after it
 
 
@@ -176,6 +188,11 @@ def op_versions(signature: str) -> str:
 # ---- structure --------------------------------------------------------------------------------------------
 def contains_acc(node: Node) -> bool:
     return node == ACC or (isinstance(node, Op) and any(contains_acc(a) for a in node.args))
+
+
+def paired(node: Node) -> bool:
+    """Does the tree read a GLU's up half (its accumulator then holds the gate's and the up's columns, interleaved)?"""
+    return node == UP or (isinstance(node, Op) and any(paired(a) for a in node.args))
 
 
 def operands(node: Node) -> list[Operand]:
@@ -321,6 +338,8 @@ def parse(signature: str) -> Node:
             return Const(float(tok[1:]))
         if tok == "acc":
             return ACC
+        if tok == "up":
+            return UP
         leaf = re.fullmatch(r"(c|nc|full)(\d+)", tok)
         if leaf:
             return Operand(int(leaf.group(2)), leaf.group(1))
@@ -375,17 +394,23 @@ def operand_kind(t3: torch.Tensor) -> str:
 
 
 def reference(tree: Node, acc3: torch.Tensor, ops3: list[torch.Tensor]) -> torch.Tensor:
-    """Evaluate the tree on an [S, P, C] accumulator, in acc3's dtype."""
-    return _evaluate(tree, acc3, ops3).expand_as(acc3)
+    """Evaluate the tree on an [S, P, C] accumulator, in acc3's dtype ([S, P, 2C] for a paired tree: output channel
+    j's gate at column 2j, its up half at 2j + 1)."""
+    up = None
+    if paired(tree):
+        acc3, up = acc3[..., 0::2], acc3[..., 1::2]
+    return _evaluate(tree, acc3, ops3, up).expand_as(acc3)
 
 
-def _evaluate(n: Node, acc3: torch.Tensor, ops3: list[torch.Tensor]) -> torch.Tensor:
+def _evaluate(n: Node, acc3: torch.Tensor, ops3: list[torch.Tensor], up: torch.Tensor | None) -> torch.Tensor:
     # module level: a nested recursive function would hold acc3 and the operands in a reference cycle until
     # the garbage collector ran (tensors of every unfused or CPU call kept alive past it)
     if n == ACC:
         return acc3
+    if n == UP:
+        return up
     if isinstance(n, Operand):
         return ops3[n.slot].to(acc3.dtype)
     if isinstance(n, Const):
         return torch.tensor(n.value, dtype=acc3.dtype)
-    return OPS[n.name].ref(*[_evaluate(a, acc3, ops3) for a in n.args], *n.params)
+    return OPS[n.name].ref(*[_evaluate(a, acc3, ops3, up) for a in n.args], *n.params)

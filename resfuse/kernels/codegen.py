@@ -77,6 +77,16 @@ class Family:
     swap_prefetch: str | None = None
 
 
+# A GLU's tile (epilogue.paired): the accumulator's columns alternate gate and up (passes/glu.py interleaves the
+# weight's rows), so each pair of columns is one output channel. Splitting the [BM, BN] tile into its even and odd
+# columns halves it, and the channel indices, masks and output offsets with it (the channel count is even).
+PAIRING = """acc, acc_up = tl.split(tl.reshape(acc, (BM, BN // 2, 2)))
+mask = tl.split(tl.reshape(mask, (BM, BN // 2, 2)))[0]
+mask_c = tl.split(tl.reshape(mask_c, (BN // 2, 2)))[0]
+offs_c = tl.split(tl.reshape(offs_c, (BN // 2, 2)))[0] // 2
+"""
+
+
 def kernel_source(family: Family, signature: str, tma_slots: tuple[int, ...] = (), out_tma: bool = False,
                   swap: bool = False) -> str:
     """The generated kernel's source; the full operands in `tma_slots` are tensor descriptors (Family.origin), and
@@ -90,6 +100,10 @@ def kernel_source(family: Family, signature: str, tma_slots: tuple[int, ...] = (
     stats = epi.stats_node(tree)
     if swap and (stats or tma_slots or out_tma):
         raise ValueError("a swapped tile sums no statistics and reads no operand through TMA")
+    paired = epi.paired(tree)
+    if paired and (swap or stats or aux or tma_slots or out_tma):
+        raise ValueError("a paired (GLU) tile has half the accumulator's columns: no swap, statistics, aux output "
+                         "or TMA operands")
     params = ["out", *(["aux"] if aux else []), *(["stats", "stats_rows"] if stats else []), "ws", "tickets",
               *family.args, family.s_out_c, *triton_params(tree)]
     params += [f"{c}: tl.constexpr" for c in (*family.constexprs, "PDL", "PREFETCH")]
@@ -121,7 +135,7 @@ if SPLIT_K > 1:
     acc, last = split_k_reduce(acc, ws, tickets, tile, pid_k, BM, BN, SPLIT_K)
     mask = mask & last
     stat_ok = stat_ok & last
-# epilogue: {signature}
+{PAIRING if paired else ""}# epilogue: {signature}
 {triton_body(tree, out="y", tma_slots=tma_slots, out_ty=out_ty, swap=swap)}
 {store}
 {aux_store}

@@ -7,7 +7,7 @@ its reference math.
 """
 from __future__ import annotations
 
-from ..epilogue import ACC, OPS, Const, Node, Operand, operands
+from ..epilogue import ACC, OPS, UP, Const, Node, Operand, operands
 
 
 def triton_params(tree: Node, prefix: str = "") -> list[str]:
@@ -20,7 +20,7 @@ def triton_body(tree: Node, out: str = "y", tma_slots: tuple[int, ...] = (), pre
                 given: dict[int, str] | None = None, out_ty: str = "tl.float32", swap: bool = False) -> str:
     """Source that loads the operands and assigns the epilogue value to `out` (and an aux node's to `aux_y`).
 
-    It expects in scope: `acc` [BM, BC] fp32, `offs_c` [BC], `mask_c` [BC], `s_idx` and `p_idx` [BM] (the
+    It expects in scope: `acc` [BM, BC] fp32 (and for a paired tree `acc_up`, its up half: codegen's pairing), `offs_c` [BC], `mask_c` [BC], `s_idx` and `p_idx` [BM] (the
     sample and row of each output row), and `mask` [BM, BC]. A full operand whose slot is in `tma_slots` is a
     tensor descriptor of an [M, C] matrix whose rows are the output's, read as the [BM, BC] box at (row0, col0),
     which must be in scope too (boxes past the edges read zeros, as the masked loads do). The names it reads
@@ -60,6 +60,8 @@ def triton_body(tree: Node, out: str = "y", tma_slots: tuple[int, ...] = (), pre
     def ev(n):
         if n == ACC:
             return "acc"
+        if n == UP:
+            return "acc_up"
         if isinstance(n, Operand):
             return f"{v}{n.slot}"
         if isinstance(n, Const):

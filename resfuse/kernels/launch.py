@@ -110,8 +110,13 @@ def _gemm_plan(a, b, operands, signature, out, config) -> Plan | None:
     n = b.shape[-1]
     s_ab = a.stride(0) if a.dim() == 3 else 0
     s_bb = b.stride(0) if b.dim() == 3 else 0  # a 2-D B is shared by every batch
-    rps, s_ob, s_os, s_om, s_on = _gemm_out_view(out, a.dim() == 3, m, n)
+    paired = epi.paired(epi.parse(signature))  # a GLU's: the output has half the product's columns
+    if paired and (n % 2 or out.shape[-1] * 2 != n):
+        raise ValueError(f"a GLU epilogue pairs the product's {n} columns into the output's {out.shape[-1]}")
+    rps, s_ob, s_os, s_om, s_on = _gemm_out_view(out, a.dim() == 3, m, out.shape[-1])
     cfg = config or gemm_config(GemmProblem(batch, m, n, k, a.element_size(), sm_count(a.device)))
+    if paired and cfg.swap:
+        raise NotImplementedError("a swapped tile cannot pair a GLU's columns (they are its rows)")
     if cfg.swap:
         if a.dim() != 2 or b.dim() != 2 or rps != m:
             raise NotImplementedError("a swapped config runs a 2-D product whose output is one sample")
@@ -180,14 +185,18 @@ def _tma_plan(as_matrices, inputs, operands, signature, out, channel_dim, cfg, s
     meta = dict(BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, SPLIT_K=split, B_KN=b_kn,
                 PRECISION=_precision(a.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     strides = operand_strides(signature, operands, out.shape, channel_dim)
-    # a split's epilogue runs only in its last program, so the others must not load the operands: pointers
-    boxes = descriptor_operands(signature, operands, out.shape, channel_dim, m, n, [bm, bn]) if split == 1 else {}
+    # a split's epilogue runs only in its last program, so the others must not load the operands: pointers; a GLU's
+    # tile is half as wide as its product's (codegen.PAIRING): pointers too, and per-thread stores
+    paired = epi.paired(epi.parse(signature))
+    boxes = descriptor_operands(signature, operands, out.shape, channel_dim, m, n, [bm, bn]) if (
+        split == 1 and not paired) else {}
     slots = tuple(sorted(boxes))
     # the output as one [M, N] matrix (its samples' rows merged, channels contiguous): written by bulk stores
     merged = s_on == 1 and (rps == 1 or rps >= m or s_os == rps * s_om)
     row = s_om if rps > 1 else s_os if m > 1 else n  # one row: any stride would do
     smem = cfg.num_stages * (bm + bn) * bk * a.element_size() + len(boxes) * bm * bn * 2
-    out_box = descriptor_output(out, m, n, row, [bm, bn], smem) if cfg.tma_store and merged and split == 1 else None
+    bulk = cfg.tma_store and merged and split == 1 and not paired
+    out_box = descriptor_output(out, m, n, row, [bm, bn], smem) if bulk else None
     family = PERSISTENT_FAMILY if cfg.persistent and split == 1 else GEMM_TMA_FAMILY
     kernel = codegen.load(family, signature, slots, out_box is not None)
     if cfg.persistent and split == 1:

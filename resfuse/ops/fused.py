@@ -100,7 +100,7 @@ def _finish(acc: torch.Tensor, out: torch.Tensor, operands, signature: str, chan
     its aux node into `aux`, when given)."""
     tree = epi.parse(signature)
     acc3 = epi.rows3(acc.to(_compute_dtype(acc.dtype)), acc.shape, channel_dim)
-    ops3 = epi.operand_views(tree, operands, acc.shape, channel_dim)
+    ops3 = epi.operand_views(tree, operands, out.shape, channel_dim)  # a GLU's acc has twice out's channels
     epi.rows3(out, out.shape, channel_dim).copy_(epi.reference(tree, acc3, ops3))
     if aux is not None:
         epi.rows3(aux, aux.shape, channel_dim).copy_(epi.reference(epi.aux_value(tree), acc3, ops3))
@@ -226,8 +226,8 @@ def with_batch(shape: Sequence[int], leading) -> list:
 def _gemm_out_shape(a: torch.Tensor, b: torch.Tensor, out_shape: Sequence[int]) -> list:
     if out_shape[0] != -1:
         return list(out_shape)
-    rest = math.prod(out_shape[1:])  # the product has prod(a.shape[:-1]) * N elements
-    return with_batch(out_shape, math.prod(a.shape[:-1]) * b.shape[-1] // rest if rest else 0)
+    rest = math.prod(out_shape[1:])  # the output has prod(a.shape[:-1]) rows of out_shape[-1] (a GLU's: N / 2)
+    return with_batch(out_shape, math.prod(a.shape[:-1]) * out_shape[-1] // rest if rest else 0)
 
 
 def gemm_impl(a: torch.Tensor, b: torch.Tensor, operands: Sequence[torch.Tensor], epilogue: str,
@@ -282,7 +282,7 @@ def gemm_reference(a, b, operands, epilogue, out_shape, out, aux=None):
     if _addmm_bias(a, b, operands, epilogue, out) and aux is None:
         torch.addmm(operands[0], a, b, out=out.view(a.shape[0], b.shape[1]))
         return out
-    acc = torch.matmul(a, b).view(list(out_shape))
+    acc = torch.matmul(a, b).view([*out_shape[:-1], b.shape[-1]])  # a GLU's has twice out's columns
     return _finish(acc, out, operands, epilogue, -1, aux)
 
 

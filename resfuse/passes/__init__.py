@@ -20,6 +20,7 @@ from .bn_backward import batch_norm_backward
 from .chain import chain_convs
 from .conv_args import full_conv_args
 from .conv_stats import conv_stats
+from .glu import glu_linears
 from .match_epilogue import match_epilogue
 from .pad_channels import pad_channels
 from .permutes import sink_permutes
@@ -58,6 +59,7 @@ PASSES = [
     ("full_conv_args", full_conv_args),  # first: every pass after it reads a conv's stride, padding, ... per dim
     ("named_activations", named_activations),  # before the fusions: an activation written out becomes one op
     ("sink_permutes", sink_permutes),  # before the fusions: brings a permuted GEMM's consumers next to it
+    ("glu_linears", glu_linears),  # before match_epilogue, which would take the gated MLP's GEMM alone
     ("match_epilogue", _epilogue),
     ("add_to_output", add_to_output),  # after match_epilogue: it extends the fused ops that pass made
     ("shortcut_bn", shortcut_bn),  # after add_to_output: folds the batch norm whose output that pass absorbed

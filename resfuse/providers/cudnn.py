@@ -47,6 +47,8 @@ def _cudnn():
 
 
 def _unsupported(tree: epi.Node) -> str | None:
+    if tree == epi.UP:
+        return "a GLU's paired columns (the graph's pointwise nodes map the matmul's columns 1:1)"
     if isinstance(tree, epi.Op) and tree.name == "aux":
         return "an aux output (the graph would need its intermediate as a second output)"
     if isinstance(tree, epi.Op):

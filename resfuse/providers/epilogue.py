@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from .. import kernels
+from .. import epilogue as epi, kernels
 from ..tuning.select import Candidate
 
 
@@ -19,6 +19,8 @@ def refusal(call) -> str | None:
 
     if call.op in separate.PAIRS:
         return separate.REFUSAL
+    if epi.paired(epi.parse(call.signature)):
+        return "a GLU's epilogue pairs the product's columns: its kernel is our GEMM's (the elementwise one maps 1:1)"
     return None if kernels.available(call.out.device) else f"no Triton kernels on {call.out.device}"
 
 

@@ -147,9 +147,11 @@ def _descriptor_matrix(t: torch.Tensor, out_shape, channel_dim: int) -> bool:
 
 
 def reference(acc64: torch.Tensor, tree, operands, channel_dim: int) -> torch.Tensor:
-    """The epilogue in float64 on a float64 accumulator, as [S, P, C]."""
+    """The epilogue in float64 on a float64 accumulator, as [S, P, C] (a GLU's accumulator has 2C channels)."""
     acc3 = epi.rows3(acc64, acc64.shape, channel_dim)
-    ops3 = [epi.rows3(t.double(), acc64.shape, channel_dim) for t in operands]
+    out_shape = list(acc64.shape)
+    out_shape[channel_dim] //= 1 + epi.paired(tree)
+    ops3 = [epi.rows3(t.double(), out_shape, channel_dim) for t in operands]
     return epi.reference(tree, acc3, ops3)
 
 

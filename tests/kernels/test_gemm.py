@@ -172,3 +172,57 @@ def test_tma_config_falls_back_to_pointers_where_descriptors_cannot_read():
     out = torch.full((9, 8), float("nan"))
     launch.gemm(a, b, [], "relu(acc)", out, launch.GemmConfig(16, 16, 16, 2, 1, 4, 2, tma=True))
     torch.testing.assert_close(out.double(), torch.relu(a.double() @ b.double()), rtol=1e-4, atol=1e-4)
+
+
+def _glu(data, tree):
+    """`tree` with its accumulator replaced by a GLU's pairing: act(acc) times the up half, in either order."""
+    gate = data.draw(st.sampled_from(["silu", "gelu", "gelu_tanh", "relu", "sigmoid", "tanh"]))
+    base = (epi.Op(gate, (epi.ACC,)), epi.UP)
+    base = epi.Op("mul", base if data.draw(st.booleans()) else base[::-1])
+
+    def swap(n):
+        return base if n == epi.ACC else epi.Op(n.name, tuple(map(swap, n.args)), n.params) if isinstance(
+            n, epi.Op) else n
+    return swap(tree)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from(DTYPES), m=st.integers(1, 70), c=st.integers(1, 40),
+       k8=st.integers(1, 9), split=st.sampled_from([1, 1, 2, 3]), mainloop=st.sampled_from(["pointer", "tma", "persistent"]),
+       tile=st.sampled_from([(16, 16, 16), (32, 32, 16), (16, 64, 32)]), rows3=st.booleans())
+def test_glu_epilogues_pair_the_products_columns(data, dtype, m, c, k8, split, mainloop, tile, rows3):
+    """A GLU's epilogue (epilogue.paired): the product has 2C columns, gate and up interleaved, and the output C;
+    output channel j is f(act(acc[:, 2j]), acc[:, 2j + 1]) and the rest of the tree, on every mainloop, split or
+    not, for channel counts that are not multiples of the half tile, into an [M, C] or [B, S, C] output."""
+    k = 8 * k8  # 16-byte rows for the TMA mainloops
+    if mainloop != "pointer" and dtype == torch.float32 and c % 2:
+        c += 1  # the interleaved weight's rows (2C fp32) are 16-byte aligned
+    tree, roles = data.draw(trees(kinds=("c", "full"), max_steps=2))
+    tree = _glu(data, tree)
+    a = torch.randn(m, k).to(dtype)
+    b = (torch.randn(2 * c, k) / k ** 0.5).to(dtype).t()  # a linear layer's weight, transposed
+    samples = 1 if not rows3 else next(s for s in (3, 2, 1) if m % s == 0)
+    out_shape = [samples, m // samples, c] if rows3 else [m, c]
+    operands = [make_operand(role, kind, out_shape, -1, dtype, data.draw(st.sampled_from([0, 1, 2])))
+                for kind, role in roles]
+    out = torch.full(out_shape, float("nan"), dtype=dtype)
+    cfg = launch.GemmConfig(*tile, group_m=2, split_k=1 if mainloop == "persistent" else split, num_warps=4,
+                            num_stages=2, tma=mainloop != "pointer", persistent=2 * (mainloop == "persistent"),
+                            tma_store=data.draw(st.booleans()))  # asked for, never used: the tile is half wide
+    launch.gemm(a, b, operands, str(tree), out, cfg)
+    acc = torch.matmul(a.double(), b.double()).view([*out_shape[:-1], 2 * c])
+    ref = reference(acc, tree, operands, -1)
+    assert ref.shape[-1] == c
+    assert_close(epi.rows3(out, out.shape, -1), ref, dtype)
+    via_op = torch.ops.resfuse.gemm(a, b, operands, str(tree), out_shape, "triton")  # the op, and its reference
+    assert_close(epi.rows3(via_op, via_op.shape, -1), ref, dtype)
+    cpu = torch.ops.resfuse.gemm(a, b, operands, str(tree), out_shape, "aten")
+    assert_close(epi.rows3(cpu, cpu.shape, -1), ref, dtype)
+
+
+def test_a_glu_epilogue_refuses_a_swapped_tile_and_an_odd_product():
+    a, b = torch.randn(4, 8), torch.randn(8, 6)
+    with pytest.raises(NotImplementedError, match="swapped"):
+        launch.gemm(a, b, [], "mul(silu(acc),up)", torch.empty(4, 3), launch.GemmConfig(16, 16, 16, 2, 1, 4, 2, swap=True))
+    with pytest.raises(ValueError, match="pairs"):
+        launch.gemm(a, torch.randn(8, 5), [], "mul(silu(acc),up)", torch.empty(4, 3))
