@@ -1,10 +1,11 @@
-"""GPT-2 with and without the named_activations pass, interleaved (GPU).
+"""A model with and without one pass (named_activations by default), interleaved (GPU).
 
-  python bench/activations_ab.py [--model hf-gpt2] [--batch 32] [--rounds 5] --out $OUT
+  python bench/activations_ab.py [--model hf-gpt2] [--batch 32] [--without named_activations] [--rounds 5] --out $OUT
 
-"before" compiles a copy of the model with the pass taken out of the pass list (its MLP's gelu_new, eight
-elementwise ops, then runs in Inductor's kernel after our GEMM), "after" with it (the GELU in the GEMM's
-epilogue). Both are resfuse+graphs, compiled once each and alive side by side (a deep copy each, so Dynamo keeps
+"before" compiles a copy of the model with the pass taken out of the pass list (GPT-2's gelu_new, eight
+elementwise ops, then runs in Inductor's kernel after our GEMM; with --without glu_linears, a gated MLP's
+activation and product run there after the GEMM of both halves), "after" with it (the GELU in the GEMM's
+epilogue; the whole gated MLP in one GEMM). Both are resfuse+graphs, compiled once each and alive side by side (a deep copy each, so Dynamo keeps
 both), then timed in alternation, `rounds` times: the GPU's time a call (run._gpu_ms: 20 calls queued, or 4 or 1
 where the queue cannot hold 20, as GPT-2's graph breaks make it) and the CUDA-event latency. Errors against eager.
 Prints a table; JSON to $OUT.
@@ -29,6 +30,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="hf-gpt2")
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--without", default="named_activations", help="the pass that 'before' runs without")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
@@ -37,7 +39,8 @@ def main():
     sets = timing.input_sets(inputs)
     with torch.no_grad():
         ref = model(*inputs).float()
-    without = [step for step in passes.PASSES if step[0] != "named_activations"]
+    without = [step for step in passes.PASSES if step[0] != args.without]
+    assert len(without) == len(passes.PASSES) - 1, f"no pass named {args.without}"
     fns, res = {}, {}
     for variant in ("before", "after"):
         fn = resfuse.compile(copy.deepcopy(model), cuda_graphs=True)
@@ -54,9 +57,9 @@ def main():
         for variant, fn in fns.items():
             res[variant]["gpu_us"].append(run._gpu_ms(fn, sets, repeats=1) * 1e3)  # 20 calls queued, or 4, or 1
             res[variant]["latency_ms"].append(timing.latency(fn, sets, torch.device("cuda"), 50).median_ms)
-    with open(os.path.join(args.out, "activations_ab.json"), "w") as f:
+    with open(os.path.join(args.out, f"pass_ab_{args.model}_bs{args.batch}_{args.without}.json"), "w") as f:
         json.dump(res, f, indent=1)
-    print(f"{args.model} bs{args.batch}: median of {args.rounds} rounds")
+    print(f"{args.model} bs{args.batch} without/with {args.without}: median of {args.rounds} rounds")
     for variant, r in res.items():
         print(f"{variant:<7} GPU us {statistics.median(r['gpu_us']):9.1f}  latency ms "
               f"{statistics.median(r['latency_ms']):7.3f}  rel err {r['rel_err']:.1e}  fusions {r['fusions']}")

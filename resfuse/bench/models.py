@@ -12,7 +12,9 @@ Names (see `names()`):
 - Hugging Face transformers, built from a default config with random weights; nothing is downloaded:
   hf-resnet50 (ResNetConfig), hf-convnext-tiny (ConvNextConfig, whose default is the tiny model),
   hf-bert-base (BertConfig; input_ids [batch, seq]), hf-vit-base (ViTConfig), hf-gpt2 (GPT2Config, GPT-2 small:
-  12 layers of 768; input_ids [batch, seq]; its MLP's gelu_new is written out in elementwise ops).
+  12 layers of 768; input_ids [batch, seq]; its MLP's gelu_new is written out in elementwise ops), hf-llama
+  (LlamaConfig at TinyLlama-1.1B's sizes: 22 layers of 2048, a SwiGLU MLP of 5632, 32 heads over 4 key/value
+  heads; input_ids [batch, seq]).
 - "path/to/file.py:factory": factory() returns a module, or (module, inputs). It may take any of the
   keyword arguments batch, image_size, seq, dtype, device; those it names are passed.
 
@@ -46,8 +48,8 @@ from torch import nn
 TORCHVISION = ("resnet50", "resnet18", "resnext50_32x4d", "wide_resnet50_2", "mobilenet_v3_large",
                "efficientnet_b0")
 TIMM = ("convnext_tiny", "regnety_040")
-HF = ("hf-resnet50", "hf-convnext-tiny", "hf-bert-base", "hf-vit-base", "hf-gpt2")
-TEXT_MODELS = ("hf-bert-base", "hf-gpt2")  # inputs are token ids [batch, seq], not images
+HF = ("hf-resnet50", "hf-convnext-tiny", "hf-bert-base", "hf-vit-base", "hf-gpt2", "hf-llama")
+TEXT_MODELS = ("hf-bert-base", "hf-gpt2", "hf-llama")  # inputs are token ids [batch, seq], not images
 SEED = 0
 COLLAPSES = ("mobilenet_v3_large", "efficientnet_b0", "regnety_040")  # calibrated batch norms (see above)
 
@@ -203,6 +205,10 @@ def _hf(name: str) -> nn.Module:
         return _FirstOutput(tf.BertModel(tf.BertConfig()), "last_hidden_state")
     if name == "hf-gpt2":
         return _FirstOutput(tf.GPT2Model(tf.GPT2Config()), "last_hidden_state")
+    if name == "hf-llama":
+        config = tf.LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                                num_key_value_heads=4, max_position_embeddings=2048)
+        return _FirstOutput(tf.LlamaModel(config), "last_hidden_state")
     if name == "hf-vit-base":
         # ViT's default 224 image size fixes its position embeddings; interpolate for other sizes.
         return _ViT(tf.ViTModel(tf.ViTConfig(), add_pooling_layer=False))

@@ -151,3 +151,15 @@ def test_t5_encoder_absorbs_residual_adds_behind_eval_dropout():
     # per layer: the attention's output projection and the FFN's down projection, neither with a bias
     assert sum(f.anchor == "gemm" and f.ops == ["add"] for f in report.fusions) == 4
     assert not any("clone" in r.reason for r in report.rejected)
+
+
+def test_llama_runs_its_swiglu_mlp_as_one_gemm():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    report, err = compile_and_compare(transformers.LlamaModel(config).eval(), torch.randint(0, 1000, (2, 9)))
+    assert err <= 1e-4
+    glus = [f for f in report.fusions if f.ops == ["silu", "mul"]]
+    assert len(glus) == 2 and all(f.shapes["inputs"][1] == (64, 176) and f.shapes["out"] == (2, 9, 88) for f in glus)
+    assert sum(f.ops == ["add"] for f in report.fusions) == 4  # o_proj and down_proj take the residual adds
+    assert report.errors == []
