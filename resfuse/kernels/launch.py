@@ -111,8 +111,9 @@ def _gemm_plan(a, b, operands, signature, out, config) -> Plan | None:
     s_ab = a.stride(0) if a.dim() == 3 else 0
     s_bb = b.stride(0) if b.dim() == 3 else 0  # a 2-D B is shared by every batch
     paired = epi.paired(epi.parse(signature))  # a GLU's: the output has half the product's columns
-    if paired and (n % 2 or out.shape[-1] * 2 != n):
-        raise ValueError(f"a GLU epilogue pairs the product's {n} columns into the output's {out.shape[-1]}")
+    if out.shape[-1] * (1 + paired) != n or (paired and n % 2):  # a wrong width would be written past its end
+        raise ValueError(f"the product's {n} columns do not fit the output's {out.shape[-1]} "
+                         f"({'a GLU epilogue pairs them' if paired else 'unpaired'})")
     rps, s_ob, s_os, s_om, s_on = _gemm_out_view(out, a.dim() == 3, m, out.shape[-1])
     cfg = config or gemm_config(GemmProblem(batch, m, n, k, a.element_size(), sm_count(a.device)))
     if paired and cfg.swap:

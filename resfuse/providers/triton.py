@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import kernels
+from .. import epilogue as epi, kernels
 from ..kernels import chain, shortcut
 from ..kernels.conv2d_depthwise import is_depthwise
 from ..tuning import space
@@ -42,7 +42,7 @@ def _launch(call, signature: str, operands, out, config, aux=None, stats=None):
 def candidates(call, level: str) -> list[Candidate]:
     if call.op in ("conv2d_chain", "conv2d_shortcut"):
         return _pair_candidates(call, level)
-    scratch, bare, own = call.out.empty(), call.out.empty(), call.scratch()
+    scratch, bare, own = call.out.empty(), _bare_output(call).empty(), call.scratch()
 
     def candidate(cfg, mainloop: bool) -> Candidate:
         variants = () if not mainloop or level != "fast" else tuple(
@@ -54,6 +54,16 @@ def candidates(call, level: str) -> list[Candidate]:
             mainloop=(lambda: _launch(call, "acc", [], bare, cfg)) if mainloop else None, variants=variants)
 
     return [candidate(cfg, True) for cfg in space.configs(call, level)]
+
+
+def _bare_output(call):
+    """What the epilogue-free twin writes: the op's output, or for a GLU's (epilogue.paired) the whole product, twice
+    as wide, its columns unpaired."""
+    from ..ops.fused import Output
+
+    if not epi.paired(epi.parse(call.signature)):
+        return call.out
+    return Output.of((*call.out.shape[:-1], call.inputs[1].shape[-1]), call.out.dtype, call.out.device)
 
 
 def _pair_candidates(call, level: str) -> list[Candidate]:

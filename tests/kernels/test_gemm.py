@@ -224,5 +224,5 @@ def test_a_glu_epilogue_refuses_a_swapped_tile_and_an_odd_product():
     a, b = torch.randn(4, 8), torch.randn(8, 6)
     with pytest.raises(NotImplementedError, match="swapped"):
         launch.gemm(a, b, [], "mul(silu(acc),up)", torch.empty(4, 3), launch.GemmConfig(16, 16, 16, 2, 1, 4, 2, swap=True))
-    with pytest.raises(ValueError, match="pairs"):
+    with pytest.raises(ValueError, match="do not fit"):
         launch.gemm(a, torch.randn(8, 5), [], "mul(silu(acc),up)", torch.empty(4, 3))
