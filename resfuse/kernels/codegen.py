@@ -79,11 +79,14 @@ class Family:
 
 # A GLU's tile (epilogue.paired): the accumulator's columns alternate gate and up (passes/glu.py interleaves the
 # weight's rows), so each pair of columns is one output channel. Splitting the [BM, BN] tile into its even and odd
-# columns halves it, and the channel indices, masks and output offsets with it (the channel count is even).
+# columns halves it, and the channel indices, masks and output offsets with it (the channel count is even). The tile's
+# channels are BN // 2 consecutive ones from a multiple of BN // 2, which the compiler cannot see through the split
+# and the division: told so, it stores along them (without the hint it stored down the rows, one element a lane,
+# and the GLU of a TinyLlama layer took 384 instead of 220 us on an H200).
 PAIRING = """acc, acc_up = tl.split(tl.reshape(acc, (BM, BN // 2, 2)))
 mask = tl.split(tl.reshape(mask, (BM, BN // 2, 2)))[0]
 mask_c = tl.split(tl.reshape(mask_c, (BN // 2, 2)))[0]
-offs_c = tl.split(tl.reshape(offs_c, (BN // 2, 2)))[0] // 2
+offs_c = tl.max_contiguous(tl.multiple_of(tl.split(tl.reshape(offs_c, (BN // 2, 2)))[0] // 2, BN // 2), BN // 2)
 """
 
 

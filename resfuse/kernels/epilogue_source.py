@@ -20,19 +20,19 @@ def triton_body(tree: Node, out: str = "y", tma_slots: tuple[int, ...] = (), pre
                 given: dict[int, str] | None = None, out_ty: str = "tl.float32", swap: bool = False) -> str:
     """Source that loads the operands and assigns the epilogue value to `out` (and an aux node's to `aux_y`).
 
-    It expects in scope: `acc` [BM, BC] fp32 (and for a paired tree `acc_up`, its up half: codegen's pairing), `offs_c` [BC], `mask_c` [BC], `s_idx` and `p_idx` [BM] (the
-    sample and row of each output row), and `mask` [BM, BC]. A full operand whose slot is in `tma_slots` is a
-    tensor descriptor of an [M, C] matrix whose rows are the output's, read as the [BM, BC] box at (row0, col0),
-    which must be in scope too (boxes past the edges read zeros, as the masked loads do). The names it reads
-    (parameters, as triton_params gives them) and defines (operand values, temporaries) start with `prefix`.
-    An operand whose slot is in `given` is not loaded: its fp32 value is that expression, already in scope (its
-    parameters are still taken, unread: kernels/shortcut.py computes a residual in the same kernel).
-    `out_ty` is the element type (source) the value is stored or rounded to: the typed ops (GELU) compute to its
-    precision, fp32's by default.
-    With `swap` the tile is the transposed output's (a GEMM whose operands were swapped: kernels/launch.py's
-    _swapped_plan): its rows are the output's channels and its columns the output's rows, all of one sample, so
-    `p_idx` holds channels and `offs_c` rows. An operand keeps its [S, P, C] strides; a per-channel operand is then
-    read along the tile's rows, under `row_ok` [BM] (in scope too), and a full one's P and C strides trade places.
+    It expects in scope: `acc` [BM, BC] fp32 (and for a paired tree `acc_up`, its up half: codegen's pairing),
+    `offs_c` [BC], `mask_c` [BC], `s_idx` and `p_idx` [BM] (the sample and row of each output row), and `mask` [BM,
+    BC]. A full operand whose slot is in `tma_slots` is a tensor descriptor of an [M, C] matrix whose rows are the
+    output's, read as the [BM, BC] box at (row0, col0), which must be in scope too (boxes past the edges read zeros,
+    as the masked loads do). The names it reads (parameters, as triton_params gives them) and defines (operand
+    values, temporaries) start with `prefix`. An operand whose slot is in `given` is not loaded: its fp32 value is
+    that expression, already in scope (its parameters are still taken, unread: kernels/shortcut.py computes a
+    residual in the same kernel). `out_ty` is the element type (source) the value is stored or rounded to: the typed
+    ops (GELU) compute to its precision, fp32's by default. With `swap` the tile is the transposed output's (a GEMM
+    whose operands were swapped: kernels/launch.py's _swapped_plan): its rows are the output's channels and its
+    columns the output's rows, all of one sample, so `p_idx` holds channels and `offs_c` rows. An operand keeps its
+    [S, P, C] strides; a per-channel operand is then read along the tile's rows, under `row_ok` [BM] (in scope too),
+    and a full one's P and C strides trade places.
     """
     lines = []
     op, v = f"{prefix}op", f"{prefix}v"

@@ -439,13 +439,18 @@ def _ewise_plan(acc, operands, signature, out, channel_dim) -> Plan | None:
     if out3.data_ptr() != out.data_ptr() or any(st == 0 for st in out3.stride()[1:]):
         raise NotImplementedError(f"output strides {out.stride()} are not an [S, P, C] view")
     s, p, c = out3.shape
+    paired = epi.paired(epi.parse(signature))  # a GLU's: the accumulator has 2C channels (codegen.PAIRING)
+    n = acc3.shape[-1]
+    if acc3.shape[:2] != out3.shape[:2] or n != c * (1 + paired):
+        raise ValueError(f"accumulator {tuple(acc.shape)} does not fit the output {tuple(out.shape)}")
     cfg = ewise_config(c, epi.stats_node(epi.parse(signature)) is not None)
-    tiles = triton.cdiv(s * p, cfg.block_m) * triton.cdiv(c, cfg.block_n)
+    tiles = triton.cdiv(s * p, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     (a_s, a_p, a_c), (o_s, o_p, o_c) = acc3.stride(), out3.stride()
     kv = channel_vector(c, a_s, a_p, o_s, o_p)
-    head = [s * p, c, p, a_s // kv, a_p // kv, a_c, o_s // kv, o_p // kv, o_c]
+    head = [s * p, n, p, a_s // kv, a_p // kv, a_c, o_s // kv, o_p // kv, o_c]
     meta = dict(BM=cfg.block_m, BN=cfg.block_n, KV=kv, SPLIT_K=1, num_warps=cfg.num_warps)
-    boxes = descriptor_operands(signature, operands, out.shape, channel_dim, s * p, c, [cfg.block_m, cfg.block_n])
+    boxes = {} if paired else descriptor_operands(signature, operands, out.shape, channel_dim, s * p, c,
+                                                  [cfg.block_m, cfg.block_n])
     return Plan(codegen.load(EWISE_FAMILY, signature, tuple(sorted(boxes))), (tiles, 1, 1), head,
                 operand_strides(signature, operands, out.shape, channel_dim), meta, (tiles, 1, cfg.block_m, cfg.block_n),
                 out.device, row_blocks=triton.cdiv(s * p, cfg.block_m), operand_boxes=boxes)

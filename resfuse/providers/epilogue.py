@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from .. import epilogue as epi, kernels
+from .. import kernels
 from ..tuning.select import Candidate
 
 
@@ -19,8 +19,6 @@ def refusal(call) -> str | None:
 
     if call.op in separate.PAIRS:
         return separate.REFUSAL
-    if epi.paired(epi.parse(call.signature)):
-        return "a GLU's epilogue pairs the product's columns: its kernel is our GEMM's (the elementwise one maps 1:1)"
     return None if kernels.available(call.out.device) else f"no Triton kernels on {call.out.device}"
 
 
@@ -64,7 +62,8 @@ def _accumulator(call) -> tuple[torch.Tensor, int]:
 
         return cudnn_dgrad(*call.inputs, call.out.shape, *call.params), 1
     (out_shape,) = call.params
-    return torch.matmul(*call.inputs).view(list(out_shape)), -1
+    width = call.inputs[1].shape[-1]  # a GLU's product has twice the output's columns (epilogue.paired)
+    return torch.matmul(*call.inputs).view([*out_shape[:-1], width]), -1
 
 
 def candidates(call, level: str) -> list[Candidate]:

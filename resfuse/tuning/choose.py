@@ -146,18 +146,13 @@ def settled(call: Call) -> Choice | None:
     return _CHOICES.get(fast_key(call))
 
 
-def untuned(call: Call) -> Choice:
-    """UNTUNED, where the epilogue provider takes the op; else (a GLU's paired columns) the unfused ATen ops."""
-    return UNTUNED if providers.epilogue.refusal(call) is None else UNFUSED
-
-
 def choose(call: Call) -> Choice:
     level = _SETTINGS["level"]
     if _OUT_OF_RESOURCES and fast_key(call) in _OUT_OF_RESOURCES:
-        return untuned(call)  # our kernel's config did not load here (out_of_resources)
+        return UNTUNED  # our kernel's config did not load here (out_of_resources)
     if level == "none" or not _tunable(call.out.device):
         # our kernel's heuristic config, where our kernel takes the op (a grouped conv it refuses)
-        return HEURISTIC if providers.triton.refusal(call) is None else untuned(call)
+        return HEURISTIC if providers.triton.refusal(call) is None else UNTUNED
     fast = fast_key(call)  # every call passes here: no hashing, no device queries
     if fast in _CHOICES:
         return _CHOICES[fast]
@@ -178,10 +173,10 @@ def choose(call: Call) -> Choice:
     if entry is None:
         remaining = _SETTINGS["budget_s"] - _STATE["spent_s"]
         if remaining <= 0:
-            _CHOICES[fast] = untuned(call)  # budget spent: tuned by a later compile (configure forgets these)
+            _CHOICES[fast] = UNTUNED  # budget spent: tuned by a later compile (configure forgets these)
             PROGRESS.op_done(f"resfuse: {call.op} {_shape(call)} {call.signature}: tuning budget spent, "
-                             f"runs {'cuDNN/cuBLAS + our epilogue kernel' if _CHOICES[fast] == UNTUNED else 'unfused'}")
-            return _CHOICES[fast]
+                             "runs cuDNN/cuBLAS + our epilogue kernel")
+            return UNTUNED
         start = time.monotonic()
         PROGRESS.measuring()
         entry = _off_thread(call.out.device, tune, call, bench=_bench, level=level, budget_s=remaining,
@@ -242,7 +237,7 @@ def out_of_resources(call: Call, error: Exception) -> Choice:
         print(f"resfuse: {call.op} {_shape(call)} {call.signature}: our kernel's config does not fit this GPU, "
               f"running cuDNN/cuBLAS + our epilogue kernel: {' '.join(str(error).split())[:200]}")
     _OUT_OF_RESOURCES.add(fast)
-    return untuned(call)
+    return UNTUNED
 
 
 def _off_thread(device: torch.device, fn, *args, **kwargs):

@@ -47,3 +47,25 @@ def test_channel_vectors_only_where_triton_cannot_see_the_alignment():
         (plan,) = launch._PLANS.values()
         assert plan.meta["KV"] == kv
         torch.testing.assert_close(out, torch.relu(acc + bias.view(1, -1, 1, 1)))
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from(DTYPES), rows=st.integers(1, 40), c=st.sampled_from([1, 5, 20, 36, 72]),
+       samples=st.sampled_from([1, 2]))
+def test_a_glu_epilogue_pairs_cublas_product(data, dtype, rows, c, samples):
+    """A GLU's epilogue (epilogue.paired) on a [.., 2C] product whose columns alternate gate and up, into a [.., C]
+    output: the epilogue provider's pass after cuBLAS. Operands are the output's shape, read through pointers."""
+    tree, roles = data.draw(trees(kinds=("c", "full"), max_steps=2))
+    gate = epi.Op(data.draw(st.sampled_from(["silu", "gelu", "relu"])), (epi.ACC,))
+
+    def paired(n):
+        return epi.Op("mul", (gate, epi.UP)) if n == epi.ACC else epi.Op(n.name, tuple(map(paired, n.args)),
+                                                                            n.params) if isinstance(n, epi.Op) else n
+    tree = paired(tree)
+    shape = (samples, rows, c)
+    acc = torch.randn(samples, rows, 2 * c).to(dtype)
+    operands = [make_operand(role, kind, shape, -1, dtype, data.draw(st.sampled_from([0, 1, 2])))
+                for kind, role in roles]
+    out = torch.full(shape, float("nan"), dtype=dtype)
+    launch.epilogue(acc, operands, str(tree), out, -1)
+    assert_close(epi.rows3(out, out.shape, -1), reference(acc.double(), tree, operands, -1), dtype)

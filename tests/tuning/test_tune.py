@@ -415,21 +415,24 @@ def test_config_refuses_an_unknown_provider():
         Config(providers=())
 
 
-def test_a_glu_is_tuned_on_our_kernel_and_aten_its_bare_twins_writing_the_whole_product():
+def test_a_glu_is_tuned_on_our_kernel_and_cublas_plus_our_epilogue_kernel():
     """A GLU's call (epilogue.paired) has an output half the product's width. Its epilogue-free twins write the
     product unpaired, so they get an output of the product's width (written past the end of the op's own, they once
-    faulted on an H200); the epilogue and cuDNN providers take no paired tree; every candidate computes the op."""
+    faulted on an H200); the epilogue provider pairs cuBLAS's product in its own kernel; cuDNN's graph takes no
+    paired tree; every candidate computes the op."""
     from resfuse.providers import triton as triton_provider
     a, w = torch.randn(37, 32).half(), (torch.randn(2 * 20, 32) / 6).half()
     sig = "mul(silu(acc),up)"
     call = ch.Call("gemm", (a, w.t()), [], sig, ([37, 20],), Output.of([37, 20], a.dtype, a.device))
-    assert providers.epilogue.refusal(call) and providers.cudnn.refusal(call)
-    assert ch.untuned(call) == ch.UNFUSED
+    assert providers.cudnn.refusal(call) and providers.epilogue.refusal(call) is None
     acc = a.double() @ w.double().t()
     want = F.silu(acc[:, 0::2]) * acc[:, 1::2]
     found = triton_provider.candidates(call, "fast")
     for c in found[:3]:
         assert tuple(c.mainloop().shape) == (37, 40)
         torch.testing.assert_close(c.run().double(), want, rtol=2e-3, atol=2e-3)
-    entry = ch.tune(call, bench=bench_favouring("triton"), level="fast", report=lambda line: None)
-    assert entry.provider == "triton" and set(entry.times) - {"aten"} and "aten+epilogue" not in entry.times
+    (two,) = providers.epilogue.candidates(call, "fast")
+    torch.testing.assert_close(two.run().double(), want, rtol=2e-3, atol=2e-3)
+    for winner in ("triton", "epilogue"):
+        entry = ch.tune(call, bench=bench_favouring(winner), level="fast", report=lambda line: None)
+        assert entry.provider == winner and "aten+epilogue" in entry.times
