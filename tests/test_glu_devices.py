@@ -1,4 +1,4 @@
-"""A GLU's paired epilogue (epilogue.paired, kernels/codegen.PAIRING) on the interpreter and on a compiled GPU, where
+"""A GLU's paired epilogue (epilogue.paired, kernels/codegen._pairing) on the interpreter and on a compiled GPU, where
 the split of the tensor-core accumulator's columns is the compiler's own: every GEMM mainloop, split or not."""
 import pytest
 import torch

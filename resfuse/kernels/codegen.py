@@ -79,14 +79,18 @@ class Family:
 
 # A GLU's tile (epilogue.paired): the accumulator's columns alternate gate and up (passes/glu.py interleaves the
 # weight's rows), so each pair of columns is one output channel. Splitting the [BM, BN] tile into its even and odd
-# columns halves it, and the channel indices, masks and output offsets with it (the channel count is even). The tile's
-# channels are BN // 2 consecutive ones from a multiple of BN // 2, which the compiler cannot see through the split
-# and the division: told so, it stores along them (without the hint it stored down the rows, one element a lane,
-# and the GLU of a TinyLlama layer took 384 instead of 220 us on an H200).
-PAIRING = """acc, acc_up = tl.split(tl.reshape(acc, (BM, BN // 2, 2)))
-mask = tl.split(tl.reshape(mask, (BM, BN // 2, 2)))[0]
-mask_c = tl.split(tl.reshape(mask_c, (BN // 2, 2)))[0]
+# columns halves it; the channel indices follow, told to the compiler as BN // 2 consecutive ones from a multiple of
+# BN // 2, which it cannot see through the split and the division, and the masks are computed again over them (a
+# split mask's constancy is lost too). Without both, it stored one element a thread (bench/glu_kernels.py).
+def _pairing(family: Family) -> str:
+    half = f"({family.n_cols} // 2)"
+    col_mask = f"offs_c // {family.col_vec} < {half} // {family.col_vec}" if family.col_vec else f"offs_c < {half}"
+    return f"""acc, acc_up = tl.split(tl.reshape(acc, (BM, BN // 2, 2)))
 offs_c = tl.max_contiguous(tl.multiple_of(tl.split(tl.reshape(offs_c, (BN // 2, 2)))[0] // 2, BN // 2), BN // 2)
+mask_c = {col_mask}
+mask = row_ok[:, None] & mask_c[None, :]
+if SPLIT_K > 1:
+    mask = mask & last
 """
 
 
@@ -138,7 +142,7 @@ if SPLIT_K > 1:
     acc, last = split_k_reduce(acc, ws, tickets, tile, pid_k, BM, BN, SPLIT_K)
     mask = mask & last
     stat_ok = stat_ok & last
-{PAIRING if paired else ""}# epilogue: {signature}
+{_pairing(family) if paired else ""}# epilogue: {signature}
 {triton_body(tree, out="y", tma_slots=tma_slots, out_ty=out_ty, swap=swap)}
 {store}
 {aux_store}

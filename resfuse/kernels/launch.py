@@ -187,7 +187,7 @@ def _tma_plan(as_matrices, inputs, operands, signature, out, channel_dim, cfg, s
                 PRECISION=_precision(a.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     strides = operand_strides(signature, operands, out.shape, channel_dim)
     # a split's epilogue runs only in its last program, so the others must not load the operands: pointers; a GLU's
-    # tile is half as wide as its product's (codegen.PAIRING): pointers too, and per-thread stores
+    # tile is half as wide as its product's (codegen._pairing): pointers too, and per-thread stores
     paired = epi.paired(epi.parse(signature))
     boxes = descriptor_operands(signature, operands, out.shape, channel_dim, m, n, [bm, bn]) if (
         split == 1 and not paired) else {}
@@ -439,7 +439,7 @@ def _ewise_plan(acc, operands, signature, out, channel_dim) -> Plan | None:
     if out3.data_ptr() != out.data_ptr() or any(st == 0 for st in out3.stride()[1:]):
         raise NotImplementedError(f"output strides {out.stride()} are not an [S, P, C] view")
     s, p, c = out3.shape
-    paired = epi.paired(epi.parse(signature))  # a GLU's: the accumulator has 2C channels (codegen.PAIRING)
+    paired = epi.paired(epi.parse(signature))  # a GLU's: the accumulator has 2C channels (codegen._pairing)
     n = acc3.shape[-1]
     if acc3.shape[:2] != out3.shape[:2] or n != c * (1 + paired):
         raise ValueError(f"accumulator {tuple(acc.shape)} does not fit the output {tuple(out.shape)}")

@@ -9,7 +9,7 @@ projections one GEMM whose output is split in halves (Phi-3 and diffusers' GEGLU
 Unfused, the [T, 2I] product is written and read back, and the activation and the product are two more passes
 over I columns. Here the weight's rows are interleaved, gate row j then up row j, so each output channel's two
 values sit in adjacent columns of one accumulator tile, and one `resfuse::gemm` computes y with the epilogue
-mul(act(acc), up) (epilogue.paired; kernels/codegen.PAIRING): the product never leaves the registers. The
+mul(act(acc), up) (epilogue.paired; kernels/codegen._pairing): the product never leaves the registers. The
 interleaved weight is computed from the parameters alone, so capture/constants.py hoists it out of the graph.
 
 Rules: the product is a 2-D mm (no bias: addmm's would pair the bias too) whose value is read only by the split,
