@@ -61,7 +61,22 @@ def _sdpa_cpu_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
     return 2 * b * h * lq * lk * (d + dv)
 
 
+def _grouped_query(formula):
+    """An attention op's FLOP formula that also takes grouped-query attention (Llama's: fewer key/value heads than
+    query heads, each serving a group of them); torch 2.11's formulas refuse the shapes. They read shapes alone,
+    so the key and value are given as meta tensors with the query's heads."""
+    def flops(query, key, value, *args, **kwargs):
+        heads = query.shape[1]
+        if key.dim() == 4 and key.shape[1] != heads:
+            key, value = (torch.empty((t.shape[0], heads, *t.shape[2:]), dtype=t.dtype, device="meta")
+                          for t in (key, value))
+        return formula(query, key, value, *args, **kwargs)
+    return flops
+
+
 _FLOPS = {**flop_registry, aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops}
+_FLOPS.update({packet: _grouped_query(f) for packet, f in _FLOPS.items()
+               if "scaled_dot_product" in str(packet) and "backward" not in str(packet)})
 
 
 @dataclasses.dataclass

@@ -69,6 +69,22 @@ def test_attention_flops():
     assert sum(layer.flops for layer in layers) == 2 * 1 * 2 * 16 * 16 * (8 + 8)
 
 
+def test_grouped_query_attention_flops():
+    """Llama's attention: 8 query heads over 2 key/value heads, each of those serving 4. The traced CPU kernel and
+    the GPU's (their formula given the shapes alone, as a CUDA trace would) count the query's heads."""
+    q, k, v = torch.randn(1, 8, 16, 8), torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)
+
+    class Attention(nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    want = 2 * 1 * 8 * 16 * 16 * (8 + 8)
+    assert sum(layer.flops for layer in roofline.trace_layers(Attention(), (q, k, v))) == want
+    meta = [t.to("meta") for t in (q, k, v)]
+    for op in (torch.ops.aten._scaled_dot_product_efficient_attention, torch.ops.aten._scaled_dot_product_flash_attention):
+        assert roofline._FLOPS[op](*meta, None, False, out_val=(meta[0],)) == want
+
+
 @pytest.mark.parametrize("flops_per_s, bytes_per_s, bound", [(1e3, 1e12, "compute"), (1e15, 1e3, "memory")])
 def test_floor_takes_the_larger_term_per_layer(flops_per_s, bytes_per_s, bound):
     conv = nn.Conv2d(3, 8, 3, padding=1).eval()
