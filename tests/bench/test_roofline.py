@@ -81,7 +81,8 @@ def test_grouped_query_attention_flops():
     want = 2 * 1 * 8 * 16 * 16 * (8 + 8)
     assert sum(layer.flops for layer in roofline.trace_layers(Attention(), (q, k, v))) == want
     meta = [t.to("meta") for t in (q, k, v)]
-    for op in (torch.ops.aten._scaled_dot_product_efficient_attention, torch.ops.aten._scaled_dot_product_flash_attention):
+    aten = torch.ops.aten
+    for op in (aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_flash_attention):
         assert roofline._FLOPS[op](*meta, None, False, out_val=(meta[0],)) == want
 
 
