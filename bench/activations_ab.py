@@ -32,6 +32,7 @@ def main():
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--without", default="named_activations", help="the pass that 'before' runs without")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--profile", action="store_true", help="also print each variant's top kernels (torch.profiler)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     torch.backends.cudnn.benchmark = True
@@ -57,12 +58,18 @@ def main():
         for variant, fn in fns.items():
             res[variant]["gpu_us"].append(run._gpu_ms(fn, sets, repeats=1) * 1e3)  # 20 calls queued, or 4, or 1
             res[variant]["latency_ms"].append(timing.latency(fn, sets, torch.device("cuda"), 50).median_ms)
+    if args.profile:
+        for variant, fn in fns.items():
+            res[variant]["kernels"] = timing.kernels(fn, sets, torch.device("cuda"))
     with open(os.path.join(args.out, f"pass_ab_{args.model}_bs{args.batch}_{args.without}.json"), "w") as f:
         json.dump(res, f, indent=1)
     print(f"{args.model} bs{args.batch} without/with {args.without}: median of {args.rounds} rounds")
     for variant, r in res.items():
         print(f"{variant:<7} GPU us {statistics.median(r['gpu_us']):9.1f}  latency ms "
               f"{statistics.median(r['latency_ms']):7.3f}  rel err {r['rel_err']:.1e}  fusions {r['fusions']}")
+    for variant, r in res.items():
+        for k in r.get("kernels", [])[:14]:
+            print(f"  {variant:<7} {k['name'][:70]:<70} {k['time_us']:9.1f} us {k['calls']:4d} calls")
     diff = statistics.median(b - a for a, b in zip(res["before"]["gpu_us"], res["after"]["gpu_us"]))
     print(f"after - before, GPU us a call (median of the rounds' differences): {diff:+.1f}")
 
