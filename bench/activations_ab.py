@@ -1,14 +1,16 @@
 """A model with and without one pass (named_activations by default), interleaved (GPU).
 
-  python bench/activations_ab.py [--model hf-gpt2] [--batch 32] [--without named_activations] [--rounds 5] --out $OUT
+  python bench/activations_ab.py [--model hf-gpt2] [--batch 32] [--without named_activations] [--rounds 5]
+                                 [--profile] --out $OUT
 
 "before" compiles a copy of the model with the pass taken out of the pass list (GPT-2's gelu_new, eight
 elementwise ops, then runs in Inductor's kernel after our GEMM; with --without glu_linears, a gated MLP's
 activation and product run there after the GEMM of both halves), "after" with it (the GELU in the GEMM's
-epilogue; the whole gated MLP in one GEMM). Both are resfuse+graphs, compiled once each and alive side by side (a deep copy each, so Dynamo keeps
-both), then timed in alternation, `rounds` times: the GPU's time a call (run._gpu_ms: 20 calls queued, or 4 or 1
-where the queue cannot hold 20, as GPT-2's graph breaks make it) and the CUDA-event latency. Errors against eager.
-Prints a table; JSON to $OUT.
+epilogue; the whole gated MLP in one GEMM). Both are resfuse+graphs, compiled once each and alive side by side (a
+deep copy each, so Dynamo keeps both), then timed in alternation, `rounds` times: the GPU's time a call
+(run._gpu_ms: 20 calls queued, or 4 or 1 where the queue cannot hold 20, as GPT-2's graph breaks make it) and the
+CUDA-event latency. Errors against eager. With --profile, each variant's kernels (timing.kernels). Prints a table;
+JSON to $OUT.
 """
 import argparse
 import copy
