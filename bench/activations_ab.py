@@ -59,7 +59,9 @@ def main():
     for _ in range(args.rounds):
         for variant, fn in fns.items():
             res[variant]["gpu_us"].append(run._gpu_ms(fn, sets, repeats=1) * 1e3)  # 20 calls queued, or 4, or 1
-            res[variant]["latency_ms"].append(timing.latency(fn, sets, torch.device("cuda"), 50).median_ms)
+            lat = timing.latency(fn, sets, torch.device("cuda"), 50)
+            res[variant]["latency_ms"].append(lat.median_ms)
+            res[variant].setdefault("clock", []).append(lat.clock)  # the SM clock while timed (power cap)
     if args.profile:
         for variant, fn in fns.items():
             res[variant]["kernels"] = timing.kernels(fn, sets, torch.device("cuda"))
@@ -67,6 +69,7 @@ def main():
         json.dump(res, f, indent=1)
     print(f"{args.model} bs{args.batch} without/with {args.without}: median of {args.rounds} rounds")
     for variant, r in res.items():
+        print(f"{variant:<7} clocks {[c and (c['sm_mhz'], round(c['limited'], 2)) for c in r['clock']]}")
         print(f"{variant:<7} GPU us {statistics.median(r['gpu_us']):9.1f}  latency ms "
               f"{statistics.median(r['latency_ms']):7.3f}  rel err {r['rel_err']:.1e}  fusions {r['fusions']}")
     for variant, r in res.items():
