@@ -8,9 +8,9 @@ elementwise ops, then runs in Inductor's kernel after our GEMM; with --without g
 activation and product run there after the GEMM of both halves), "after" with it (the GELU in the GEMM's
 epilogue; the whole gated MLP in one GEMM). Both are resfuse+graphs, compiled once each and alive side by side (a
 deep copy each, so Dynamo keeps both), then timed in alternation, `rounds` times: the GPU's time a call
-(run._gpu_ms: 20 calls queued, or 4 or 1 where the queue cannot hold 20, as GPT-2's graph breaks make it) and the
-CUDA-event latency. Errors against eager. With --profile, each variant's kernels (timing.kernels). Prints a table;
-JSON to $OUT.
+(run._gpu_ms: 20 calls queued, or 4 or 1 where the queue cannot hold 20, as GPT-2's graph breaks make it), the
+CUDA-event latency and the SM clock. Both compile with fuse_glu on (off by default). Errors against eager. With
+--profile, each variant's kernels (timing.kernels). Prints a table; JSON to $OUT.
 """
 import argparse
 import copy
@@ -46,7 +46,7 @@ def main():
     assert len(without) == len(passes.PASSES) - 1, f"no pass named {args.without}"
     fns, res = {}, {}
     for variant in ("before", "after"):
-        fn = resfuse.compile(copy.deepcopy(model), cuda_graphs=True)
+        fn = resfuse.compile(copy.deepcopy(model), cuda_graphs=True, fuse_glu=True)  # the pass alone differs
         with mock.patch.object(passes, "PASSES", without if variant == "before" else passes.PASSES), \
                 torch.no_grad():
             out = fn(*inputs).float()

@@ -22,9 +22,11 @@ PROVIDERS = ("triton", "cudnn", "epilogue", "aten")
 class Config:
     fuse_epilogue: bool = True
     "Absorb bias / BN / activations / binary ops into the conv or GEMM that produces their input."
-    fuse_glu: bool = True
+    fuse_glu: bool = False
     ("In inference, a gated MLP's act(x @ Wg^T) * (x @ Wu^T) (SwiGLU, GeGLU) runs as one GEMM over a weight whose "
-     "gate and up rows are interleaved, its epilogue pairing each tile's columns (with fuse_epilogue).")
+     "gate and up rows are interleaved, its epilogue pairing each tile's columns (with fuse_epilogue). Off: on an "
+     "H200 held at its power limit, a TinyLlama-sized model took 7.7% longer a call with it (its kernels 2.4% less "
+     "time, but at 1590 instead of 1665 MHz: more energy a call than cuBLAS's GEMM + Inductor's pass; BENCHMARKS.md).")
     fuse_add_to_output: bool = True
     "OneFlow's FuseAddToOutput: a same-shape 2-input add is absorbed by the op that produces one operand."
     batch_norm_backward: bool = True

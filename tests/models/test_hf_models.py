@@ -12,9 +12,9 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def compile_and_compare(model, *inputs):
+def compile_and_compare(model, *inputs, **config):
     torch._dynamo.reset()
-    compiled = resfuse.compile(model)
+    compiled = resfuse.compile(model, **config)
     with torch.no_grad():
         out, ref = compiled(*inputs), model(*inputs)
     out, ref = (out.logits, ref.logits) if hasattr(out, "logits") else (out.last_hidden_state, ref.last_hidden_state)
@@ -157,7 +157,8 @@ def test_llama_runs_its_swiglu_mlp_as_one_gemm():
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2)
-    report, err = compile_and_compare(transformers.LlamaModel(config).eval(), torch.randint(0, 1000, (2, 9)))
+    report, err = compile_and_compare(transformers.LlamaModel(config).eval(), torch.randint(0, 1000, (2, 9)),
+                                      fuse_glu=True)
     assert err <= 1e-4
     glus = [f for f in report.fusions if f.ops == ["silu", "mul"]]
     assert len(glus) == 2 and all(f.shapes["inputs"][1] == (64, 176) and f.shapes["out"] == (2, 9, 88) for f in glus)

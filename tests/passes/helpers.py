@@ -89,11 +89,11 @@ def compare(model, x, **config):
     return out, ref, compiled.resfuse_report
 
 
-def against_float64(model, *inputs):
+def against_float64(model, *inputs, **config):
     """(resfuse's output, the float64 eager output, the report) of `model` compiled under the interpreter in its own
-    dtype; the model is float64 afterwards."""
+    dtype, with `config`; the model is float64 afterwards."""
     torch._dynamo.reset()
-    compiled = resfuse.compile(model, interpret=True)
+    compiled = resfuse.compile(model, interpret=True, **config)
     with torch.no_grad():
         out = compiled(*inputs)
         ref = model.double()(*(x.double() for x in inputs))

@@ -51,7 +51,7 @@ def test_a_gated_mlp_runs_as_one_gemm_with_a_paired_epilogue(act, merged, act_se
     torch.manual_seed(seed)
     mlp = GatedMlp(act, width, hidden, merged, act_second and merged, up_first).eval().to(dtype)
     x = torch.randn(2, rows, width, dtype=dtype)
-    out, ref, report = against_float64(mlp, x)
+    out, ref, report = against_float64(mlp, x, fuse_glu=True)
     assert report.errors == []
     (glu,) = glus(report)
     assert glu.ops == [{"gelu_tanh": "gelu"}.get(act, act), "mul"] and glu.ran == "triton"
@@ -64,7 +64,7 @@ def test_a_gated_mlp_runs_as_one_gemm_with_a_paired_epilogue(act, merged, act_se
 def test_a_gate_with_a_bias_or_a_half_read_elsewhere_is_not_paired():
     torch.manual_seed(0)
     biased = GatedMlp("silu", 8, 12, bias=True).eval()  # addmm's bias would need pairing too
-    out, ref, report = against_float64(biased, torch.randn(3, 8))
+    out, ref, report = against_float64(biased, torch.randn(3, 8), fuse_glu=True)
     assert glus(report) == [] and rel(out, ref) < 1e-5
 
     class Leaky(GatedMlp):  # the up half is also returned: the product must be written out
@@ -75,7 +75,7 @@ def test_a_gate_with_a_bias_or_a_half_read_elsewhere_is_not_paired():
     leaky = Leaky("silu", 8, 12).eval()
     x = torch.randn(3, 8)
     torch._dynamo.reset()
-    compiled = resfuse.compile(leaky, interpret=True)
+    compiled = resfuse.compile(leaky, interpret=True, fuse_glu=True)
     with torch.no_grad():
         (y, u), (y_ref, u_ref) = compiled(x), leaky.double()(x.double())
     report = compiled.resfuse_report
@@ -83,18 +83,19 @@ def test_a_gate_with_a_bias_or_a_half_read_elsewhere_is_not_paired():
     assert any("GLU not fused" in r.reason and "consumers" in r.reason for r in report.rejected)
 
 
-@pytest.mark.parametrize("fuse_glu", [True, False])
+@pytest.mark.parametrize("fuse_glu", [True, False, None])
 def test_the_switch_and_training_leave_the_gemms_apart(fuse_glu):
+    """Off by default (Config.fuse_glu: slower at the power limit on an H200); never in training."""
     torch.manual_seed(0)
     mlp = GatedMlp("silu", 8, 12)
     x = torch.randn(4, 8)
     torch._dynamo.reset()
-    compiled = resfuse.compile(mlp.eval(), interpret=True, fuse_glu=fuse_glu)
+    compiled = resfuse.compile(mlp.eval(), interpret=True, **({} if fuse_glu is None else {"fuse_glu": fuse_glu}))
     with torch.no_grad():
         assert rel(compiled(x), mlp(x)) < 1e-5
-    assert len(glus(compiled.resfuse_report)) == fuse_glu
+    assert len(glus(compiled.resfuse_report)) == bool(fuse_glu)
     torch._dynamo.reset()
-    trained = resfuse.compile(mlp.train(), interpret=True)
+    trained = resfuse.compile(mlp.train(), interpret=True, fuse_glu=True)
     loss = trained(x).square().sum()
     loss.backward()
     assert glus(trained.resfuse_report) == []  # the backward reads both halves: inference only
