@@ -1,7 +1,7 @@
 """A model with and without one pass (named_activations by default), interleaved (GPU).
 
-  python bench/activations_ab.py [--model hf-gpt2] [--batch 32] [--without named_activations] [--rounds 5]
-                                 [--profile] --out $OUT
+  python bench/activations_ab.py [--model hf-gpt2] [--batch 32] [--without named_activations | --switch NAME]
+                                 [--rounds 5] [--profile] --out $OUT
 
 "before" compiles a copy of the model with the pass taken out of the pass list (GPT-2's gelu_new, eight
 elementwise ops, then runs in Inductor's kernel after our GEMM; with --without glu_linears, a gated MLP's
@@ -9,7 +9,8 @@ activation and product run there after the GEMM of both halves), "after" with it
 epilogue; the whole gated MLP in one GEMM). Both are resfuse+graphs, compiled once each and alive side by side (a
 deep copy each, so Dynamo keeps both), then timed in alternation, `rounds` times: the GPU's time a call
 (run._gpu_ms: 20 calls queued, or 4 or 1 where the queue cannot hold 20, as GPT-2's graph breaks make it), the
-CUDA-event latency and the SM clock. Both compile with fuse_glu on (off by default). Errors against eager. With
+CUDA-event latency and the SM clock. Both compile with fuse_glu on (off by default). With --switch, a Config
+switch is what differs instead (off before, on after), every pass running. Errors against eager. With
 --profile, each variant's kernels (timing.kernels). Prints a table; JSON to $OUT.
 """
 import argparse
@@ -33,6 +34,7 @@ def main():
     p.add_argument("--model", default="hf-gpt2")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--without", default="named_activations", help="the pass that 'before' runs without")
+    p.add_argument("--switch", help="instead: a resfuse.Config switch, off in 'before' and on in 'after'")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--profile", action="store_true", help="also print each variant's top kernels (torch.profiler)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -46,8 +48,10 @@ def main():
     assert len(without) == len(passes.PASSES) - 1, f"no pass named {args.without}"
     fns, res = {}, {}
     for variant in ("before", "after"):
-        fn = resfuse.compile(copy.deepcopy(model), cuda_graphs=True, fuse_glu=True)  # the pass alone differs
-        with mock.patch.object(passes, "PASSES", without if variant == "before" else passes.PASSES), \
+        options = {args.switch: variant == "after"} if args.switch else {"fuse_glu": True}  # else the pass differs
+        fn = resfuse.compile(copy.deepcopy(model), cuda_graphs=True, **options)
+        cut = without if variant == "before" and not args.switch else passes.PASSES
+        with mock.patch.object(passes, "PASSES", cut), \
                 torch.no_grad():
             out = fn(*inputs).float()
             for s in sets:
@@ -65,9 +69,10 @@ def main():
     if args.profile:
         for variant, fn in fns.items():
             res[variant]["kernels"] = timing.kernels(fn, sets, torch.device("cuda"))
-    with open(os.path.join(args.out, f"pass_ab_{args.model}_bs{args.batch}_{args.without}.json"), "w") as f:
+    what = args.switch or args.without
+    with open(os.path.join(args.out, f"pass_ab_{args.model}_bs{args.batch}_{what}.json"), "w") as f:
         json.dump(res, f, indent=1)
-    print(f"{args.model} bs{args.batch} without/with {args.without}: median of {args.rounds} rounds")
+    print(f"{args.model} bs{args.batch} without/with {what}: median of {args.rounds} rounds")
     for variant, r in res.items():
         print(f"{variant:<7} clocks {[c and (c['sm_mhz'], round(c['limited'], 2)) for c in r['clock']]}")
         print(f"{variant:<7} GPU us {statistics.median(r['gpu_us']):9.1f}  latency ms "

@@ -29,6 +29,11 @@ class Config:
      "time, but at 1590 instead of 1665 MHz: more energy a call than cuBLAS's GEMM + Inductor's pass; BENCHMARKS.md).")
     fuse_add_to_output: bool = True
     "OneFlow's FuseAddToOutput: a same-shape 2-input add is absorbed by the op that produces one operand."
+    leave_adds_to_inductor: bool = False
+    ("Where the conv/GEMM that would absorb a residual add (with its bias or none, nothing else) measures fastest on "
+     "cuDNN/cuBLAS, tuned at capture, leave the add to Inductor (the remainder on CUDA), which adds it inside its "
+     "consumer's kernel (a transformer's next norm), instead of a pass of its own after cuDNN/cuBLAS. Off: not yet "
+     "measured on a GPU (a broader rule, every epilogue cuDNN/cuBLAS won, measured no gain: BENCHMARKS.md, tenth).")
     batch_norm_backward: bool = True
     ("Run training's batch-norm backward on resfuse's Triton kernel (three deterministic passes) instead of "
      "ATen's, where the fused ops run on Triton.")

@@ -191,6 +191,44 @@ def test_a_gemm_left_to_inductor_keeps_its_residual_add_there(remainder, monkeyp
         assert left == [] and [f.pattern for f in report.fusions] == ["gemm_bias_add"]
 
 
+class BiasFreeHead(nn.Module):
+    """A bias-free linear layer whose residual add feeds a norm: Llama's down and output projections."""
+
+    def __init__(self, c=4):
+        super().__init__()
+        self.fc, self.norm = nn.Linear(c, c, bias=False), nn.LayerNorm(c)
+
+    def forward(self, z):
+        return self.norm(self.fc(z) + z.sigmoid())
+
+
+@pytest.mark.parametrize("winner, switch", [("epilogue", True), ("triton", True), ("epilogue", False)])
+def test_a_residual_add_on_cublas_is_left_to_inductor(winner, switch, monkeypatch):
+    """FuseAddToOutput takes the bare GEMM's residual add; with the switch leave_adds_to_inductor on (off by
+    default) and the tuner, asked at capture, choosing cuBLAS + our epilogue kernel, the add is left to Inductor
+    instead (it adds it inside the norm's kernel). Our kernel winning, the GEMM fuses the add."""
+    from resfuse.tuning import choose
+
+    tuned = []
+    pick = choose.UNTUNED if winner == "epilogue" else choose.HEURISTIC
+    monkeypatch.setattr(choose, "choose", lambda call: tuned.append(call.signature) or pick)
+    torch.manual_seed(8)
+    net = BiasFreeHead().eval()
+    z = torch.randn(6, 4)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(net, interpret=True, remainder="inductor", leave_adds_to_inductor=switch)
+    with torch.no_grad():
+        assert rel(compiled(z), net(z)) < 1e-5
+    report = compiled.resfuse_report
+    left = [r for r in report.rejected if "residual add alone" in r.reason]
+    if winner == "epilogue" and switch:
+        assert tuned == ["add(acc,full0)"] and report.fusions == [] and len(left) == 1
+        assert left[0].op == "aten.add.Tensor"
+    else:
+        assert left == [] and [f.pattern for f in report.fusions] == ["gemm_add"]
+        assert tuned == ["add(acc,full0)"] * (1 + (switch and winner == "triton"))  # at capture, and at the call
+
+
 def test_closing_state_updates_become_one_foreach_copy_per_dtype():
     """A training forward's closing copy_ run (running stats, counters) -> one _foreach_copy_ per dtype pair; the
     graph updates the same inputs to the same values; a copy_ before the closing run stays."""

@@ -19,7 +19,7 @@ import torch.fx as fx
 from .. import epilogue as epi
 from . import legality
 from .group import MULTI_OUTPUT, Group, first_output_of, fused_op, signature
-from .match_epilogue import LEFT, VIEWS, anchor_refusal, grow, is_anchor
+from .match_epilogue import LEFT, VIEWS, anchor_refusal, better_unfused, grow, is_anchor
 
 aten = torch.ops.aten
 
@@ -152,6 +152,9 @@ def _absorb(producer: fx.Node, other: fx.Node, add: fx.Node, ctx) -> str | None:
     g.absorb(add, epi.Op("add", (g.tree, leaf) if add.args[0] is producer else (leaf, g.tree)))
     if ctx.config.fuse_epilogue:
         grow(g, ctx)
+    why = better_unfused(g, ctx)  # cuDNN/cuBLAS won: Inductor adds it in its consumer's kernel
+    if why:
+        return why
     emitted = g.emit()
     return emitted if isinstance(emitted, str) else None
 

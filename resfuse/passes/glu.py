@@ -70,7 +70,7 @@ def _match(mul: fx.Node):
         why = legality.first(
             *map(legality.sole_consumer, (act, act.args[0], other, source, *[product] * (product is not source))),
             None if len(split.users) == 2 else f"{split.name} has {len(split.users)} consumers",
-            legality.static_tensor(product), legality.supported_dtype(product),
+            legality.static_tensor(product), legality.static_tensor(mul), legality.supported_dtype(product),
             None if _same(mul, act) and _same(mul, other) else "the mul broadcasts or changes dtype")
         if why:
             return f"GLU not fused: {why}"

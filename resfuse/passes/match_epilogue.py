@@ -226,17 +226,31 @@ def _same_dtype(g: Group, node: fx.Node) -> str | None:
 LEFT = "resfuse_left"  # node.meta key: why this pass left a conv/GEMM and its bias to Inductor
 
 
-def _bias_better_unfused(g: Group, ctx) -> str | None:
-    """Why a conv/GEMM whose epilogue is its bias alone stays an ATen op (None: fuse it).
+def _adds_alone(tree: epi.Node) -> bool:
+    """Is the epilogue a bias, a residual add, or both, and nothing else (Inductor adds those in its consumer)?"""
+    if tree == epi.ACC:
+        return True
+    return (isinstance(tree, epi.Op) and tree.name == "add" and sum(map(epi.contains_acc, tree.args)) == 1
+            and all(_adds_alone(a) if epi.contains_acc(a) else isinstance(a, epi.Operand) and a.kind in ("c", "full")
+                    for a in tree.args))
+
+
+def better_unfused(g: Group, ctx) -> str | None:
+    """Why a conv/GEMM whose epilogue is its bias alone (match_epilogue), or a residual add with or without the bias
+    (add_to_output, switch leave_adds_to_inductor), stays ATen ops (None: fuse it).
 
     Where cuDNN/cuBLAS wins the op's tuning, our fused op runs it and then adds the bias in a kernel of its own,
     a pass over the output. Inductor, compiling the rest of the graph, adds a bias inside its consumer's kernel
-    instead (ConvNeXt's depthwise conv, then a LayerNorm), and cuBLAS inside its GEMM. So the op is tuned now,
-    on random inputs of its shapes (the fused call would find the same choice later), where Inductor takes the
-    rest and every shape is static. Longer epilogues are not tried: add_to_output may still extend them, and
-    Inductor writes a batch norm or an activation in a kernel of its own as we do (its stem batch norm and relu
-    before the max-pool too: `bench/inductor_probe.py`)."""
-    if not ctx.tune_now or g.tree != epi.LONE_BIAS or g.provider != "triton" or g.anchor not in ("conv2d", "gemm"):
+    instead (ConvNeXt's depthwise conv, then a LayerNorm), and cuBLAS inside its GEMM; a residual add likewise (a
+    transformer's next RMSNorm or LayerNorm). So the op is tuned now, on random inputs of its shapes (the fused
+    call would find the same choice later), where Inductor takes the rest and every shape is static. Longer
+    epilogues are not tried: add_to_output may still extend them, and Inductor writes a batch norm or an activation
+    in a kernel of its own as we do (its stem batch norm and relu before the max-pool too: `bench/inductor_probe.py`).
+    A reopened fused op whose epilogue now holds more than these adds is not tried either."""
+    if not ctx.tune_now or g.tree == epi.ACC or not _adds_alone(g.tree) or g.promoted or g.provider != "triton" \
+            or g.anchor not in ("conv2d", "gemm"):
+        return None
+    if epi.full_adds(g.tree) and not ctx.config.leave_adds_to_inductor:
         return None
     vals = [legality.val(n) for n in (*g.inputs, *g.operands, g.out)]
     if any(v is None or not all(isinstance(d, int) for d in (*v.shape, *v.stride())) for v in vals):
@@ -257,8 +271,9 @@ def _bias_better_unfused(g: Group, ctx) -> str | None:
                              str(g.tree), g.params)
         provider = choose(call).provider
     if provider in ("epilogue", "aten"):
-        return (f"an epilogue of its bias alone, where cuDNN/cuBLAS won the tuning ({provider}): left to Inductor, "
-                "which adds the bias in its consumer's kernel")
+        what = "its residual add" if epi.full_adds(g.tree) else "its bias"
+        return (f"an epilogue of {what} alone, where cuDNN/cuBLAS won the tuning ({provider}): left to Inductor, "
+                "which adds it in its consumer's kernel")
     return None
 
 
@@ -273,7 +288,7 @@ def match_epilogue(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         g = grow(Group.from_anchor(node, ctx.provider_for(node)), ctx)
         if g.tree == epi.ACC:
             continue  # no epilogue: leave the ATen op to cuDNN/cuBLAS (FuseAddToOutput may still take it)
-        why = _bias_better_unfused(g, ctx)
+        why = better_unfused(g, ctx)
         if why:
             node.meta[LEFT] = why
             ctx.reject(node, why)

@@ -100,3 +100,25 @@ def test_the_switch_and_training_leave_the_gemms_apart(fuse_glu):
     loss.backward()
     assert glus(trained.resfuse_report) == []  # the backward reads both halves: inference only
     assert mlp.gate.weight.grad is not None
+
+
+def test_a_dynamic_batch_keeps_one_paired_gemm_for_every_size():
+    """Captured with a symbolic batch, the GLU's output shape is resolved from its input on each call; a symbolic
+    sequence length too (dynamic=True) leaves it unfused, with the reason."""
+    torch.manual_seed(1)
+    mlp = GatedMlp("silu", 8, 12).eval()
+    for dynamic in (None, True):
+        torch._dynamo.reset()
+        compiled = resfuse.compile(mlp, interpret=True, fuse_glu=True, dynamic=dynamic)
+        with torch.no_grad():
+            for batch, seq in ((3, 7), (5, 7), (2, 9)):
+                x = torch.randn(batch, seq, 8)
+                if dynamic is None:
+                    torch._dynamo.mark_dynamic(x, 0)
+                assert rel(compiled(x), mlp(x)) < 1e-5
+        report = compiled.resfuse_report
+        assert report.errors == []
+        if dynamic is None:
+            assert [f.ran for f in glus(report)] == ["triton"]
+        else:
+            assert glus(report) == [] and any("GLU not fused: dynamic shape" in r.reason for r in report.rejected)
