@@ -206,13 +206,20 @@ def _hf(name: str) -> nn.Module:
     if name == "hf-gpt2":
         return _FirstOutput(tf.GPT2Model(tf.GPT2Config()), "last_hidden_state")
     if name == "hf-llama":
-        config = tf.LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-                                num_key_value_heads=4, max_position_embeddings=2048)
-        return _FirstOutput(tf.LlamaModel(config), "last_hidden_state")
+        return llama()
     if name == "hf-vit-base":
         # ViT's default 224 image size fixes its position embeddings; interpolate for other sizes.
         return _ViT(tf.ViTModel(tf.ViTConfig(), add_pooling_layer=False))
     raise AssertionError(name)
+
+
+def llama(layers: int = 22) -> nn.Module:
+    """hf-llama: a random-weight LlamaModel at TinyLlama-1.1B's sizes, its first `layers` decoder layers."""
+    import transformers as tf
+
+    config = tf.LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers, num_attention_heads=32,
+                            num_key_value_heads=4, max_position_embeddings=2048)
+    return _FirstOutput(tf.LlamaModel(config), "last_hidden_state")
 
 
 class _ViT(nn.Module):
