@@ -153,14 +153,26 @@ def test_t5_encoder_absorbs_residual_adds_behind_eval_dropout():
     assert not any("clone" in r.reason for r in report.rejected)
 
 
-def test_llama_runs_its_swiglu_mlp_as_one_gemm():
+SMALL = dict(vocab_size=500, hidden_size=64, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+GATED = {  # model -> (its gated MLP's activation as the report labels it, the model)
+    "llama": ("silu", lambda: transformers.LlamaModel(transformers.LlamaConfig(**SMALL))),
+    "mistral": ("silu", lambda: transformers.MistralModel(transformers.MistralConfig(**SMALL))),
+    "qwen2": ("silu", lambda: transformers.Qwen2Model(transformers.Qwen2Config(**SMALL))),
+    "gemma": ("gelu", lambda: transformers.GemmaModel(transformers.GemmaConfig(**SMALL, head_dim=16))),
+    "phi3": ("silu", lambda: transformers.Phi3Model(transformers.Phi3Config(**SMALL, pad_token_id=0))),  # one GEMM
+    "t5-gated": ("gelu", lambda: transformers.T5EncoderModel(transformers.T5Config(  # gelu_new, written out
+        vocab_size=500, d_model=64, d_ff=88, num_layers=2, num_heads=4, d_kv=16, feed_forward_proj="gated-gelu"))),
+}
+
+
+@pytest.mark.parametrize("name", GATED)
+def test_a_gated_mlp_runs_as_one_gemm(name):
+    """With fuse_glu: every layer's act(gate) * up is one GEMM of twice the output's columns, whether the model
+    writes two projections (merge_linears joins them) or one it chunks (Phi-3)."""
+    act, make = GATED[name]
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2)
-    report, err = compile_and_compare(transformers.LlamaModel(config).eval(), torch.randint(0, 1000, (2, 9)),
-                                      fuse_glu=True)
-    assert err <= 1e-4
-    glus = [f for f in report.fusions if f.ops == ["silu", "mul"]]
+    report, err = compile_and_compare(make().eval(), torch.randint(0, 500, (2, 9)), fuse_glu=True)
+    assert err <= 1e-4 and report.errors == []
+    glus = [f for f in report.fusions if f.ops == [act, "mul"]]
     assert len(glus) == 2 and all(f.shapes["inputs"][1] == (64, 176) and f.shapes["out"] == (2, 9, 88) for f in glus)
-    assert sum(f.ops == ["add"] for f in report.fusions) == 4  # o_proj and down_proj take the residual adds
-    assert report.errors == []
