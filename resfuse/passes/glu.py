@@ -43,8 +43,8 @@ def glu_linears(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         if isinstance(found, str):
             ctx.reject(mul, found)
             continue
-        product, halves, act_first, act = found
-        g = _group(product, halves, act_first, act, mul, ctx)
+        product, split, act_first, act = found
+        g = _group(product, split, act_first, act, mul, ctx)
         emitted = grow(g, ctx).emit()
         if isinstance(emitted, str):
             ctx.reject(mul, emitted)
