@@ -227,7 +227,8 @@ LEFT = "resfuse_left"  # node.meta key: why this pass left a conv/GEMM and its b
 
 
 def _adds_alone(tree: epi.Node) -> bool:
-    """Is the epilogue a bias, a residual add, or both, and nothing else (Inductor adds those in its consumer)?"""
+    """Is the epilogue a residual add, with or without a bias, and nothing else (Inductor adds those in its
+    consumer)?"""
     if tree == epi.ACC:
         return True
     return (isinstance(tree, epi.Op) and tree.name == "add" and sum(map(epi.contains_acc, tree.args)) == 1
@@ -245,12 +246,11 @@ def better_unfused(g: Group, ctx) -> str | None:
     transformer's next RMSNorm or LayerNorm). So the op is tuned now, on random inputs of its shapes (the fused
     call would find the same choice later), where Inductor takes the rest and every shape is static. Longer
     epilogues are not tried: add_to_output may still extend them, and Inductor writes a batch norm or an activation
-    in a kernel of its own as we do (its stem batch norm and relu before the max-pool too: `bench/inductor_probe.py`).
-    A reopened fused op whose epilogue now holds more than these adds is not tried either."""
-    if not ctx.tune_now or g.tree == epi.ACC or not _adds_alone(g.tree) or g.promoted or g.provider != "triton" \
+    in a kernel of its own as we do (its stem batch norm and relu before the max-pool too:
+    `bench/inductor_probe.py`)."""
+    adds = epi.full_adds(g.tree) and ctx.config.leave_adds_to_inductor and _adds_alone(g.tree) and not g.promoted
+    if not ctx.tune_now or not (g.tree == epi.LONE_BIAS or adds) or g.provider != "triton" \
             or g.anchor not in ("conv2d", "gemm"):
-        return None
-    if epi.full_adds(g.tree) and not ctx.config.leave_adds_to_inductor:
         return None
     vals = [legality.val(n) for n in (*g.inputs, *g.operands, g.out)]
     if any(v is None or not all(isinstance(d, int) for d in (*v.shape, *v.stride())) for v in vals):
