@@ -23,9 +23,8 @@ def main():
     p.add_argument("--seq", type=int, default=384)
     p.add_argument("--no-glu", action="store_true")
     args = p.parse_args()
-    model, (ids,) = models.load("hf-llama", 1, torch.float16, "cpu", seq=8)
-    model.model.layers = model.model.layers[:args.layers]
-    model = model.cuda().half()
+    torch.manual_seed(models.SEED)
+    model = models.llama(args.layers).eval().cuda().half()
     ids = torch.randint(0, 32000, (args.batch, args.seq), device="cuda")
     launch = triton_provider._launch
 

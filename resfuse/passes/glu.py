@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from .. import epilogue as epi
 from . import legality
-from .group import Group
+from .group import Group, fake_call
 from .match_epilogue import UNARY, VIEWS, grow
 
 aten = torch.ops.aten
@@ -128,8 +128,6 @@ def _interleaved(graph: fx.Graph, b: fx.Node, act_first: bool) -> fx.Node:
 
 def _call(graph: fx.Graph, target, *args) -> fx.Node:
     """A new node and its fake value, computed on its inputs' fake values."""
-    from .group import fake_call
-
     node = graph.call_function(target, args)
     node.meta["val"] = fake_call(target, args)
     return node
