@@ -2,7 +2,8 @@
 
 Entry points: `forced_split(n)` (a context manager), `trees()` (a strategy of (tree, slot roles)),
 `poisoned_aux(tree, out)` and `check_aux(...)` (the aux output), `make_operand(role, kind, out_shape, channel_dim)`, `with_layout(t, how)`,
-`reference(acc64, tree, operands, channel_dim)` and `assert_close(out, ref, dtype)`.
+`reference(acc64, tree, operands, channel_dim)`, `assert_close(out, ref, dtype)` and `glu(tree, gate)` (a GLU's
+paired tree).
 """
 from __future__ import annotations
 
@@ -72,6 +73,17 @@ def trees(draw, kinds=("c", "nc", "full"), max_steps=4, aux=False):
             swap = name != "div" and draw(st.booleans())
             node = Op(name, (other, node) if swap else (node, other))
     return node, roles
+
+
+def glu(tree, gate: str, up_first: bool = False):
+    """`tree` with its accumulator replaced by a GLU's pairing (epilogue.paired): gate(acc) times the up half, or the
+    up half times gate(acc)."""
+    pair = (Op(gate, (ACC,)), epi.UP)
+    base = Op("mul", pair[::-1] if up_first else pair)
+
+    def swap(n):
+        return base if n == ACC else Op(n.name, tuple(map(swap, n.args)), n.params) if isinstance(n, Op) else n
+    return swap(tree)
 
 
 def _values(shape, role, dtype):

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from resfuse import epilogue as epi
 from resfuse.kernels import codegen, launch
 
-from .epilogues import assert_close, descriptor_slots, make_operand, reference, trees
+from .epilogues import assert_close, descriptor_slots, glu, make_operand, reference, trees
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -56,12 +56,7 @@ def test_a_glu_epilogue_pairs_cublas_product(data, dtype, rows, c, samples):
     """A GLU's epilogue (epilogue.paired) on a [.., 2C] product whose columns alternate gate and up, into a [.., C]
     output: the epilogue provider's pass after cuBLAS. Operands are the output's shape, read through pointers."""
     tree, roles = data.draw(trees(kinds=("c", "full"), max_steps=2))
-    gate = epi.Op(data.draw(st.sampled_from(["silu", "gelu", "relu"])), (epi.ACC,))
-
-    def paired(n):
-        return epi.Op("mul", (gate, epi.UP)) if n == epi.ACC else epi.Op(n.name, tuple(map(paired, n.args)),
-                                                                            n.params) if isinstance(n, epi.Op) else n
-    tree = paired(tree)
+    tree = glu(tree, data.draw(st.sampled_from(["silu", "gelu", "relu"])))
     shape = (samples, rows, c)
     acc = torch.randn(samples, rows, 2 * c).to(dtype)
     operands = [make_operand(role, kind, shape, -1, dtype, data.draw(st.sampled_from([0, 1, 2])))

@@ -9,7 +9,7 @@ from resfuse.kernels.matmul import GemmProblem
 
 from resfuse import epilogue as epi
 
-from .epilogues import (assert_close, check_aux, descriptor_slots, forced_split, make_operand, output_descriptor,
+from .epilogues import (assert_close, check_aux, descriptor_slots, forced_split, glu, make_operand, output_descriptor,
                         poisoned_aux, reference,
                         trees)
 
@@ -174,21 +174,10 @@ def test_tma_config_falls_back_to_pointers_where_descriptors_cannot_read():
     torch.testing.assert_close(out.double(), torch.relu(a.double() @ b.double()), rtol=1e-4, atol=1e-4)
 
 
-def _glu(data, tree):
-    """`tree` with its accumulator replaced by a GLU's pairing: act(acc) times the up half, in either order."""
-    gate = data.draw(st.sampled_from(["silu", "gelu", "gelu_tanh", "relu", "sigmoid", "tanh"]))
-    base = (epi.Op(gate, (epi.ACC,)), epi.UP)
-    base = epi.Op("mul", base if data.draw(st.booleans()) else base[::-1])
-
-    def swap(n):
-        return base if n == epi.ACC else epi.Op(n.name, tuple(map(swap, n.args)), n.params) if isinstance(
-            n, epi.Op) else n
-    return swap(tree)
-
-
 @settings(max_examples=40, deadline=None)
 @given(data=st.data(), dtype=st.sampled_from(DTYPES), m=st.integers(1, 70), c=st.integers(1, 40),
-       k8=st.integers(1, 9), split=st.sampled_from([1, 1, 2, 3]), mainloop=st.sampled_from(["pointer", "tma", "persistent"]),
+       k8=st.integers(1, 9), split=st.sampled_from([1, 1, 2, 3]),
+       mainloop=st.sampled_from(["pointer", "tma", "persistent"]),
        tile=st.sampled_from([(16, 16, 16), (32, 32, 16), (16, 64, 32)]), rows3=st.booleans())
 def test_glu_epilogues_pair_the_products_columns(data, dtype, m, c, k8, split, mainloop, tile, rows3):
     """A GLU's epilogue (epilogue.paired): the product has 2C columns, gate and up interleaved, and the output C;
@@ -198,7 +187,8 @@ def test_glu_epilogues_pair_the_products_columns(data, dtype, m, c, k8, split, m
     if mainloop != "pointer" and dtype == torch.float32 and c % 2:
         c += 1  # the interleaved weight's rows (2C fp32) are 16-byte aligned
     tree, roles = data.draw(trees(kinds=("c", "full"), max_steps=2))
-    tree = _glu(data, tree)
+    gate = data.draw(st.sampled_from(["silu", "gelu", "gelu_tanh", "relu", "sigmoid", "tanh"]))
+    tree = glu(tree, gate, data.draw(st.booleans()))
     a = torch.randn(m, k).to(dtype)
     b = (torch.randn(2 * c, k) / k ** 0.5).to(dtype).t()  # a linear layer's weight, transposed
     samples = 1 if not rows3 else next(s for s in (3, 2, 1) if m % s == 0)
@@ -223,6 +213,7 @@ def test_glu_epilogues_pair_the_products_columns(data, dtype, m, c, k8, split, m
 def test_a_glu_epilogue_refuses_a_swapped_tile_and_an_odd_product():
     a, b = torch.randn(4, 8), torch.randn(8, 6)
     with pytest.raises(NotImplementedError, match="swapped"):
-        launch.gemm(a, b, [], "mul(silu(acc),up)", torch.empty(4, 3), launch.GemmConfig(16, 16, 16, 2, 1, 4, 2, swap=True))
+        launch.gemm(a, b, [], "mul(silu(acc),up)", torch.empty(4, 3),
+                    launch.GemmConfig(16, 16, 16, 2, 1, 4, 2, swap=True))
     with pytest.raises(ValueError, match="do not fit"):
         launch.gemm(a, torch.randn(8, 5), [], "mul(silu(acc),up)", torch.empty(4, 3))
