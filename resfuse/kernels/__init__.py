@@ -116,7 +116,7 @@ def conv2d_shortcut(y, w1, operands1, signature1, slot, x, w2, operands2, signat
 
 
 def epilogue(acc, operands, signature, out, channel_dim, aux=None, stats=None):
-    from .launch import epilogue as run
+    from .elementwise import epilogue as run
     return run(acc, operands, signature, out, channel_dim, aux, stats)
 
 

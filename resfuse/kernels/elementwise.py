@@ -6,16 +6,24 @@ The tiles run from the last rows to the first. The producer (a conv or GEMM) wri
 the last, so the last are the ones still in L2 (50 MB on an H100); and the consumer, which reads from the first
 rows, finds this pass's last writes there too.
 
-Entry points: `ewise_mainloop` (@triton.jit, wrapped by codegen.py), `FAMILY`, `EwiseConfig`, `default_config`.
+Entry points: `epilogue(acc, operands, signature, out, channel_dim, aux=None, stats=None) -> out` (reached through
+resfuse.kernels; the launch, its checks and its plan), `ewise_mainloop` (@triton.jit, wrapped by codegen.py),
+`FAMILY`, `EwiseConfig`, `default_config`. An epilogue with an aux node also writes `aux`, laid out like `out`; one
+with a bn_stats root also writes `stats`, fp32 [2, C] (each row block's sums go to a [2, C, row blocks] workspace,
+added up in a fixed order).
 """
 from __future__ import annotations
 
 import dataclasses
 
+import torch
 import triton
 import triton.language as tl
 
+from .. import epilogue as epi
+from . import codegen
 from .codegen import Family
+from .plan import _PLANS, Plan, check_outputs, descriptor_operands, operand_strides, plan_key
 from .tiles import cdiv
 
 
@@ -78,3 +86,46 @@ def default_config(channels: int, stats: bool = False) -> EwiseConfig:
     bn = 128 if channels >= 128 else 64 if channels >= 64 else 32
     rows = 8192 // bn // 2
     return EwiseConfig(block_m=rows * 4 if stats else rows, block_n=bn, num_warps=8 if stats else 4)
+
+
+def epilogue(acc: torch.Tensor, operands, signature: str, out: torch.Tensor, channel_dim: int,
+             aux: torch.Tensor | None = None, stats: torch.Tensor | None = None) -> torch.Tensor:
+    """Apply the epilogue to an accumulator already in memory (`acc`, shaped like `out`), in one kernel.
+
+    `out` may be `acc` itself (in place) when their strides agree: each program loads its tile, then stores it."""
+    key = plan_key("ewise", signature, channel_dim, acc, out, aux, *operands)
+    plan = _PLANS.get(key)
+    if plan is None:
+        check_outputs(signature, out, channel_dim, aux, stats)
+        plan = _PLANS[key] = _ewise_plan(acc, operands, signature, out, channel_dim)
+    if plan is not None:
+        acc3 = epi.rows3(acc, acc.shape, channel_dim)
+        plan.launch((acc3,), out, operands, signature, out.shape, channel_dim, aux, stats)
+    elif stats is not None:
+        stats.zero_()
+    return out
+
+
+def _ewise_plan(acc, operands, signature, out, channel_dim) -> Plan | None:
+    if out.numel() == 0:
+        return None
+    acc3, out3 = epi.rows3(acc, acc.shape, channel_dim), epi.rows3(out, out.shape, channel_dim)
+    if out3.data_ptr() != out.data_ptr() or any(st == 0 for st in out3.stride()[1:]):
+        raise NotImplementedError(f"output strides {out.stride()} are not an [S, P, C] view")
+    s, p, c = out3.shape
+    paired = epi.paired(epi.parse(signature))  # a GLU's: the accumulator has 2C channels (codegen._pairing)
+    n = acc3.shape[-1]
+    if acc3.shape[:2] != out3.shape[:2] or n != c * (1 + paired):
+        raise ValueError(f"accumulator {tuple(acc.shape)} does not fit the output {tuple(out.shape)}")
+    cfg = default_config(c, epi.stats_node(epi.parse(signature)) is not None)
+    tiles = triton.cdiv(s * p, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    (a_s, a_p, a_c), (o_s, o_p, o_c) = acc3.stride(), out3.stride()
+    kv = channel_vector(c, a_s, a_p, o_s, o_p)
+    head = [s * p, n, p, a_s // kv, a_p // kv, a_c, o_s // kv, o_p // kv, o_c]
+    meta = dict(BM=cfg.block_m, BN=cfg.block_n, KV=kv, SPLIT_K=1, num_warps=cfg.num_warps)
+    boxes = {} if paired else descriptor_operands(signature, operands, out.shape, channel_dim, s * p, c,
+                                                  [cfg.block_m, cfg.block_n])
+    return Plan(codegen.load(FAMILY, signature, tuple(sorted(boxes))), (tiles, 1, 1), head,
+                operand_strides(signature, operands, out.shape, channel_dim), meta,
+                (tiles, 1, cfg.block_m, cfg.block_n), out.device, row_blocks=triton.cdiv(s * p, cfg.block_m),
+                operand_boxes=boxes)

@@ -1,13 +1,14 @@
 """Launching the fused kernels: argument checks, [S, P, C] operand views, config choice and the grid.
 
 Entry points: `conv2d(x, w, operands, signature, stride, padding, dilation, out, config=None, aux=None) -> out`,
-`conv2d_dgrad(grad_out, w, operands, signature, stride, padding, dilation, out, config=None) -> out`,
-`gemm(a, b, operands, signature, out, config=None) -> out` and `epilogue(...)`, reached through resfuse.kernels
-(ops/fused.py calls those). A None config is the heuristic default; the tuner passes measured ones.
-`out` is preallocated by the caller; the kernels write into it through its own strides. An epilogue with an aux
-node also writes `aux` (conv2d, gemm and epilogue take it), laid out like `out`. An epilogue with a bn_stats root
-also writes `stats`, fp32 [2, C] (conv2d_dgrad and epilogue take it): each row block's sums go to a [2, C, row
-blocks] workspace, which one torch.sum then adds up in a fixed order, along its contiguous last dim.
+`conv2d_dgrad(grad_out, w, operands, signature, stride, padding, dilation, out, config=None) -> out` and
+`gemm(a, b, operands, signature, out, config=None) -> out`, reached through resfuse.kernels (ops/fused.py calls
+those; the epilogue alone, on an accumulator in memory, is elementwise.py's; which mainloop can read the operands,
+views.py's). A None config is the heuristic default; the tuner passes measured ones. `out` is preallocated by the
+caller; the kernels write into it through its own strides. An epilogue with an aux node also writes `aux` (conv2d
+and gemm take it), laid out like `out`. An epilogue with a bn_stats root also writes `stats`, fp32 [2, C]
+(conv2d_dgrad takes it): each row block's sums go to a [2, C, row blocks] workspace, which one torch.sum then adds
+up in a fixed order, along its contiguous last dim.
 """
 from __future__ import annotations
 
@@ -17,12 +18,11 @@ import torch
 import triton
 
 from .. import epilogue as epi
-from ..ops.fused import dense_strides
 from . import codegen, options
 from .plan import _PLANS, Plan, cached_launch, check_outputs, descriptor_operands, descriptor_output  # noqa: F401
 from .plan import operand_strides, pdl_meta  # noqa: F401
 from .plan import plan_key, sm_count  # noqa: F401  (tests and bench scripts reach them through launch)
-from .elementwise import FAMILY as EWISE_FAMILY, channel_vector, default_config as ewise_config
+from .elementwise import channel_vector
 from .conv2d_bwd_data import FAMILY as DGRAD_FAMILY, DgradConfig, DgradProblem, tap_inverse
 from .conv2d_bwd_data import default_config as dgrad_config
 from .conv2d_fprop import FAMILY as CONV_FAMILY, TMA_FAMILY as CONV_TMA_FAMILY, ConvConfig, ConvProblem, tma_box
@@ -31,6 +31,7 @@ from .conv2d_depthwise import FAMILY as DEPTHWISE_FAMILY, DepthwiseConfig, is_de
 from .conv2d_depthwise import default_config as depthwise_config
 from .matmul import FAMILY as GEMM_FAMILY, PERSISTENT_FAMILY, TMA_FAMILY as GEMM_TMA_FAMILY, GemmConfig, GemmProblem
 from .matmul import default_config as gemm_config
+from .views import conv_as_gemm, conv_tma_operands, dgrad_as_gemm, gemm_views, is_gemm_conv, tma_operands  # noqa: F401
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -77,18 +78,6 @@ def _gemm_out_view(out: torch.Tensor, batched: bool, m: int, n: int) -> tuple[in
                                   f"[samples, rows, N] view") from e
     return m // samples, 0, o3.stride(0), o3.stride(1), o3.stride(2)
 
-
-
-def tma_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
-    """(the matrix B's descriptor covers, whether it is [K, N]) when the TMA mainloop can read a 2-D A and B,
-    else None. A tensor descriptor needs a row-major matrix whose base and row stride are 16-byte aligned."""
-    def ok(t):
-        return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-    if a.dim() != 2 or b.dim() != 2 or not ok(a):
-        return None
-    if ok(b):
-        return b, True
-    return (b.t(), False) if ok(b.t()) else None
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, operands, signature: str, out: torch.Tensor,
@@ -206,49 +195,6 @@ def _tma_plan(as_matrices, inputs, operands, signature, out, channel_dim, cfg, s
                     (tiles_mn, 1, bm, bn), out.device, descriptors, triton.cdiv(m, bm), boxes, out_box)
     return Plan(kernel, (tiles_mn, 1, split), [m, n, k, rps, s_os, s_om, s_b, s_on], strides, dict(meta, WS=cfg.ws),
                 (tiles_mn, split, bm, bn), out.device, descriptors, triton.cdiv(m, bm), boxes, out_box)
-
-
-def conv_as_gemm(x: torch.Tensor, w: torch.Tensor, stride, padding, out_strides):
-    """(x, w) -> (A [N*H*W, C], B [C, K]) views when the conv is a plain GEMM (is_gemm_conv) that TMA descriptors
-    can read; else None."""
-    if not is_gemm_conv(x, w, stride, padding, out_strides):
-        return None
-    a, b = gemm_views(x, w)
-    return (a, b) if tma_operands(a, b) is not None else None
-
-
-def is_gemm_conv(x: torch.Tensor, w: torch.Tensor, stride, padding, out_strides) -> bool:
-    """The conv is a plain GEMM (gemm_views): a 1x1 kernel, stride 1, no padding, a channels_last input, an output
-    (its strides given) whose H and W merge into rows."""
-    n, c, h, wd = x.shape
-    return (w.shape[2:] == (1, 1) and list(stride) == [1, 1] and list(padding) == [0, 0] and w.shape[1] == c
-            and x.permute(0, 2, 3, 1).is_contiguous() and out_strides[2] == wd * out_strides[3])
-
-
-def gemm_views(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """conv_as_gemm's views without its checks: what a plan's calls take, once its first call (whose shapes,
-    strides and alignment the plan's key fixes) has passed them."""
-    n, c, h, wd = x.shape
-    return x.permute(0, 2, 3, 1).reshape(n * h * wd, c), w.reshape(w.shape[0], c).t()
-
-
-def dgrad_as_gemm(grad_out: torch.Tensor, w: torch.Tensor, stride, padding, out_strides):
-    """(grad_out, w) -> (A [N*H*W, K], B [K, C]) views when a conv's data gradient is a plain GEMM that TMA
-    descriptors can read: the forward conv's GEMM with the weight transposed (conv_as_gemm's conditions)."""
-    return conv_as_gemm(grad_out, w.transpose(0, 1), stride, padding, out_strides)
-
-
-def conv_tma_operands(x: torch.Tensor, w: torch.Tensor, stride) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(x as NHWC, w as KRSC) views when conv2d_tma_mainloop can read them through descriptors: stride 1,
-    groups 1, channels_last input and weight, channel rows 16-byte aligned; else None."""
-    xv, wv = x.permute(0, 2, 3, 1), w.permute(0, 2, 3, 1)
-    if list(stride) != [1, 1] or w.shape[1] != x.shape[1] or not (xv.is_contiguous() and wv.is_contiguous()):
-        return None
-    aligned = all(t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0 for t in (xv, wv))
-    if not aligned:
-        return None
-    # the strides a descriptor checks, a size-1 dim's included (torch may give those stride 1)
-    return tuple(t.as_strided(t.shape, dense_strides(t.shape), t.storage_offset()) for t in (xv, wv))
 
 
 def conv2d(x: torch.Tensor, w: torch.Tensor, operands, signature: str, stride, padding, dilation,
@@ -412,45 +358,3 @@ def _dgrad_plan(grad_out, w, operands, signature, stride, padding, dilation, out
                 operand_strides(signature, operands, out.shape, 1), meta,
                 (tiles * phases, split, cfg.block_m, cfg.block_n), out.device,
                 row_blocks=phases * tiles_m)
-
-
-def epilogue(acc: torch.Tensor, operands, signature: str, out: torch.Tensor, channel_dim: int,
-             aux: torch.Tensor | None = None, stats: torch.Tensor | None = None) -> torch.Tensor:
-    """Apply the epilogue to an accumulator already in memory (`acc`, shaped like `out`), in one kernel.
-
-    `out` may be `acc` itself (in place) when their strides agree: each program loads its tile, then stores it."""
-    key = plan_key("ewise", signature, channel_dim, acc, out, aux, *operands)
-    plan = _PLANS.get(key)
-    if plan is None:
-        check_outputs(signature, out, channel_dim, aux, stats)
-        plan = _PLANS[key] = _ewise_plan(acc, operands, signature, out, channel_dim)
-    if plan is not None:
-        acc3 = epi.rows3(acc, acc.shape, channel_dim)
-        plan.launch((acc3,), out, operands, signature, out.shape, channel_dim, aux, stats)
-    elif stats is not None:
-        stats.zero_()
-    return out
-
-
-def _ewise_plan(acc, operands, signature, out, channel_dim) -> Plan | None:
-    if out.numel() == 0:
-        return None
-    acc3, out3 = epi.rows3(acc, acc.shape, channel_dim), epi.rows3(out, out.shape, channel_dim)
-    if out3.data_ptr() != out.data_ptr() or any(st == 0 for st in out3.stride()[1:]):
-        raise NotImplementedError(f"output strides {out.stride()} are not an [S, P, C] view")
-    s, p, c = out3.shape
-    paired = epi.paired(epi.parse(signature))  # a GLU's: the accumulator has 2C channels (codegen._pairing)
-    n = acc3.shape[-1]
-    if acc3.shape[:2] != out3.shape[:2] or n != c * (1 + paired):
-        raise ValueError(f"accumulator {tuple(acc.shape)} does not fit the output {tuple(out.shape)}")
-    cfg = ewise_config(c, epi.stats_node(epi.parse(signature)) is not None)
-    tiles = triton.cdiv(s * p, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    (a_s, a_p, a_c), (o_s, o_p, o_c) = acc3.stride(), out3.stride()
-    kv = channel_vector(c, a_s, a_p, o_s, o_p)
-    head = [s * p, n, p, a_s // kv, a_p // kv, a_c, o_s // kv, o_p // kv, o_c]
-    meta = dict(BM=cfg.block_m, BN=cfg.block_n, KV=kv, SPLIT_K=1, num_warps=cfg.num_warps)
-    boxes = {} if paired else descriptor_operands(signature, operands, out.shape, channel_dim, s * p, c,
-                                                  [cfg.block_m, cfg.block_n])
-    return Plan(codegen.load(EWISE_FAMILY, signature, tuple(sorted(boxes))), (tiles, 1, 1), head,
-                operand_strides(signature, operands, out.shape, channel_dim), meta, (tiles, 1, cfg.block_m, cfg.block_n),
-                out.device, row_blocks=triton.cdiv(s * p, cfg.block_m), operand_boxes=boxes)

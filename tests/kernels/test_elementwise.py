@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from resfuse import epilogue as epi
-from resfuse.kernels import codegen, launch
+from resfuse.kernels import codegen, elementwise
 
 from .epilogues import assert_close, descriptor_slots, glu, make_operand, reference, trees
 
@@ -27,7 +27,7 @@ def test_epilogue_kernel(data, dtype, n, c, hw, conv, in_place):
     operands = [make_operand(role, kind, shape, cdim, dtype, lay) for (kind, role), lay in zip(roles, layouts)]
     acc64 = acc.double()
     out = acc if in_place else torch.full_like(acc, float("nan"))
-    launch.epilogue(acc, operands, str(tree), out, cdim)
+    elementwise.epilogue(acc, operands, str(tree), out, cdim)
     assert ("ewise", codegen.variant(str(tree), descriptor_slots(tree, operands, shape, cdim, 1))) in codegen._LOADED
     assert_close(epi.rows3(out, out.shape, cdim), reference(acc64, tree, operands, cdim), dtype)
 
@@ -42,9 +42,9 @@ def test_channel_vectors_only_where_triton_cannot_see_the_alignment():
         acc = torch.randn(2, c, 3, 5).contiguous(memory_format=torch.channels_last)
         bias = torch.randn(c)
         out = torch.full_like(acc, float("nan"))
-        launch._PLANS.clear()
-        launch.epilogue(acc, [bias], "relu(add(acc,c0))", out, 1)
-        (plan,) = launch._PLANS.values()
+        elementwise._PLANS.clear()
+        elementwise.epilogue(acc, [bias], "relu(add(acc,c0))", out, 1)
+        (plan,) = elementwise._PLANS.values()
         assert plan.meta["KV"] == kv
         torch.testing.assert_close(out, torch.relu(acc + bias.view(1, -1, 1, 1)))
 
@@ -62,5 +62,5 @@ def test_a_glu_epilogue_pairs_cublas_product(data, dtype, rows, c, samples):
     operands = [make_operand(role, kind, shape, -1, dtype, data.draw(st.sampled_from([0, 1, 2])))
                 for kind, role in roles]
     out = torch.full(shape, float("nan"), dtype=dtype)
-    launch.epilogue(acc, operands, str(tree), out, -1)
+    elementwise.epilogue(acc, operands, str(tree), out, -1)
     assert_close(epi.rows3(out, out.shape, -1), reference(acc.double(), tree, operands, -1), dtype)
