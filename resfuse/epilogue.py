@@ -139,12 +139,16 @@ OPS: dict[str, OpSpec] = {
     "leaky_relu": OpSpec(1, lambda x, a: F.leaky_relu(x, a), lambda x, a: f"tl.where({x} > 0.0, {x}, {x} * {a!r})"),
     # 1: a shorter fit for fp16/bf16 outputs
     "gelu": OpSpec(1, F.gelu, lambda x, ty: f"gelu_erf({x}, {ty})", typed=True, version=1),  # kernels/activations.py
-    "gelu_tanh": OpSpec(1, lambda x: F.gelu(x, approximate="tanh"),
-                        lambda x: f"(0.5 * {x} * (1.0 + {_tanh_tl(f'(0.7978845608028654 * ({x} + 0.044715 * {x} * {x} * {x}))')}))"),
-    "silu": OpSpec(1, F.silu, lambda x: f"({x} / (1.0 + tl.exp(-{x})))"),
-    "sigmoid": OpSpec(1, torch.sigmoid, lambda x: f"(1.0 / (1.0 + tl.exp(-{x})))"),
-    "hardswish": OpSpec(1, F.hardswish, lambda x: f"({x} * {_clamp_tl(f'({x} + 3.0)', 0.0, 6.0)} / 6.0)"),
-    "hardsigmoid": OpSpec(1, F.hardsigmoid, lambda x: f"({_clamp_tl(f'({x} + 3.0)', 0.0, 6.0)} / 6.0)"),
+    # 1 each: no IEEE division for fp16/bf16 outputs (kernels/activations.py); gelu_tanh as x * sigmoid(2u), which
+    # does not cancel where 1 + tanh(u) does
+    "gelu_tanh": OpSpec(1, lambda x: F.gelu(x, approximate="tanh"), lambda x, ty: (
+        f"logistic_div({x}, 1.5957691216057308 * ({x} + 0.044715 * {x} * {x} * {x}), {ty})"), typed=True, version=1),
+    "silu": OpSpec(1, F.silu, lambda x, ty: f"logistic_div({x}, {x}, {ty})", typed=True, version=1),
+    "sigmoid": OpSpec(1, torch.sigmoid, lambda x, ty: f"logistic_div(1.0, {x}, {ty})", typed=True, version=1),
+    "hardswish": OpSpec(1, F.hardswish, lambda x, ty: f"sixth({x} * {_clamp_tl(f'({x} + 3.0)', 0.0, 6.0)}, {ty})",
+                        typed=True, version=1),
+    "hardsigmoid": OpSpec(1, F.hardsigmoid, lambda x, ty: f"sixth({_clamp_tl(f'({x} + 3.0)', 0.0, 6.0)}, {ty})",
+                          typed=True, version=1),
     "tanh": OpSpec(1, torch.tanh, _tanh_tl),
     # relu's gradient (aten.threshold_backward): the incoming gradient where the forward input y was above the
     # threshold, else 0; params: threshold

@@ -1,14 +1,14 @@
 """@triton.jit activation helpers that the generated epilogues call by name (epilogue.py's op table emits the
 call; codegen.py imports every name in HELPERS into each generated kernel's module).
 
-Entry points: `gelu_erf(x, OUT)`, `sum_rows(t)`.
+Entry points: `gelu_erf(x, OUT)`, `logistic_div(x, z, OUT)`, `sixth(x, OUT)`, `sum_rows(t)`.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-HELPERS = ("gelu_erf", "sum_rows")
+HELPERS = ("gelu_erf", "logistic_div", "sixth", "sum_rows")
 
 
 @triton.jit
@@ -25,7 +25,7 @@ def gelu_erf(x, OUT: tl.constexpr):
     t = 1 / (1 + z / 2), P a polynomial, for a value stored as OUT (the output's element type):
     - OUT fp32: P is the Chebyshev fit of Numerical Recipes' erfcc, degree 9, relative error below 1.2e-7 for every
       z >= 0;
-    - OUT fp16 or bf16: P is a degree-5 fit (tests/test_gelu.py checks it), GELU's relative error below
+    - OUT fp16 or bf16: P is a degree-5 fit (tests/test_activation_values.py checks it), GELU's relative error below
       1.1e-5 for x >= -19 (Phi underflows fp32 below that); an fp16 result's rounding alone is up to 4.9e-4, so at
       most a few values in a hundred round to the neighbouring fp16 number, as a different summation order in the
       GEMM would make them do. It takes 17 sm_90 instructions a value, against the degree-9 fit's 24
@@ -64,3 +64,31 @@ def gelu_erf(x, OUT: tl.constexpr):
         p = p * t - 2.82700056
     half_erfc = t * tl.exp2(p - 0.7213475204444817 * x * x)
     return x * tl.where(x >= 0.0, 1.0 - half_erfc, half_erfc)
+
+
+@triton.jit
+def logistic_div(x, z, OUT: tl.constexpr):
+    """x / (1 + exp(-z)), x times the logistic function of z (silu: z = x; sigmoid: x = 1; tanh-approximated GELU:
+    z = 2 sqrt(2/pi) (x + 0.044715 x^3)), for a value stored as OUT (the output's element type):
+    - OUT fp32: one IEEE division, as eager computes it;
+    - OUT fp16 or bf16: x * rsqrt(1 + exp(-z))^2, a MUFU op and two multiplies in place of the division's dozen
+      instructions and its slow-path branch (Triton's `/` is div.rn.f32), good to 3e-7 relative where the stored
+      value's spacing is 1e-3 (fp16) or 8e-3 (bf16): a value in a few hundred may round to the neighbouring number
+      (tests/test_half_activations.py). The GEMM epilogues of gated MLPs (SwiGLU), EfficientNet and GPT-2 run it
+      on every output element, at one CTA an SM, where nothing hides it.
+    Either way exp(-z) = inf gives x * 0 (-0 for a negative x, NaN for x = -inf), as eager's division by inf does."""
+    if OUT.primitive_bitwidth > 16:
+        return x / (1.0 + tl.exp(-z))
+    else:
+        r = tl.math.rsqrt(1.0 + tl.exp(-z))
+        return x * (r * r)
+
+
+@triton.jit
+def sixth(x, OUT: tl.constexpr):
+    """x / 6 (hardswish's and hardsigmoid's scale) for a value stored as OUT: an IEEE division for fp32, as eager's;
+    for fp16/bf16 a multiply by fp32's 1/6, within 1.5 fp32 ulps of it."""
+    if OUT.primitive_bitwidth > 16:
+        return x / 6.0
+    else:
+        return x * 0.16666666666666666

@@ -1,6 +1,6 @@
 """Each unary epilogue op's Triton code against its float64 reference over a dense range, the tails and the
-special values, through the elementwise epilogue kernel under the interpreter. tests/test_gelu.py checks GELU
-value by value, also compiled on a GPU."""
+special values, through the elementwise epilogue kernel under the interpreter. tests/test_activation_values.py checks GELU
+and the other typed ops value by value, also compiled on a GPU."""
 import pytest
 import torch
 
