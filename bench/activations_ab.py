@@ -11,11 +11,12 @@ deep copy each, so Dynamo keeps both), then timed in alternation, `rounds` times
 (run._gpu_ms: 20 calls queued, or 4 or 1 where the queue cannot hold 20, as GPT-2's graph breaks make it), the
 CUDA-event latency and the SM clock. Both compile with fuse_glu on (off by default). With --switch, a Config
 switch is what differs instead (off before, on after), every pass running. With --divisions, the activations' Triton
-code is what differs (every pass running, fuse_glu on): "before" compiles and captures its graphs with the op table's forms of the
-forty-eighth session (silu, sigmoid, tanh-GELU, hardswish and hardsigmoid through IEEE divisions in every dtype: the
-tuning cache's choices for them), then the in-process kernel and plan caches are emptied, so "after" generates the
-current forms (no division for fp16/bf16 outputs) and tunes them; each keeps its captured kernels. Errors against
-eager. With --profile, each variant's kernels (timing.kernels). Prints a table; JSON to $OUT.
+code is what differs (every pass running, fuse_glu on): "before" compiles and captures its graphs with the op
+table's forms of the forty-eighth session (silu, sigmoid, tanh-GELU, hardswish and hardsigmoid through IEEE
+divisions in every dtype: the tuning cache's choices for them), then the in-process kernel and plan caches are
+emptied, so "after" generates the current forms (no division for fp16/bf16 outputs) and tunes them; each keeps its
+captured kernels. Errors against eager. With --profile, each variant's kernels (timing.kernels). Prints a table;
+JSON to $OUT.
 """
 import argparse
 import copy
