@@ -26,7 +26,9 @@ class Config:
     ("In inference, a gated MLP's act(x @ Wg^T) * (x @ Wu^T) (SwiGLU, GeGLU) runs as one GEMM over a weight whose "
      "gate and up rows are interleaved, its epilogue pairing each tile's columns (with fuse_epilogue). Off: on an "
      "H200 held at its power limit, a TinyLlama-sized model took 7.7% longer a call with it (its kernels 2.4% less "
-     "time, but at 1590 instead of 1665 MHz: more energy a call than cuBLAS's GEMM + Inductor's pass; BENCHMARKS.md).")
+     "time, but at 1590 instead of 1665 MHz: more energy a call than cuBLAS's GEMM + Inductor's pass; BENCHMARKS.md). "
+     "With its epilogue's divisions gone (forty-ninth session), 4 of its layers took 1.8% less GPU time and 1-3% "
+     "more latency: still no win.")
     fuse_add_to_output: bool = True
     "OneFlow's FuseAddToOutput: a same-shape 2-input add is absorbed by the op that produces one operand."
     leave_adds_to_inductor: bool = False
