@@ -140,6 +140,7 @@ def test_conv2d_stats_reference_matches_the_conv_and_float64_sums(channels_last)
     assert fy.shape == y.shape and fy.stride() == y.stride() and fsums.shape == sums.shape
 
 
+@pytest.mark.requires_cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or cudnn._cudnn() is None,
                     reason="needs a CUDA GPU and nvidia-cudnn-frontend (run on the GPU machine)")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -166,9 +167,19 @@ def test_conv2d_stats_on_cudnn_matches_the_reference(dtype, shape, cout, k, stri
     bound = torch.stack([yd.sum((0, 2, 3)), 2 * (yd * yd).sum((0, 2, 3))]) * (half_ulp + 1e-6) + 1e-6
     err = (sums.double() - _sums64(y)).abs()
     assert (err <= bound).all(), (err.max(1), bound.min(1), sums[:, :4], _sums64(y)[:, :4])
+    # again on a side stream, into poisoned outputs: the plan sets its handle's stream only when it changes
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    y2, sums2 = torch.full_like(y, float("nan")), torch.full_like(sums, float("nan"))
+    with torch.cuda.stream(side):
+        cudnn_stats.conv_stats(x, w, stride, padding, dilation, y2, sums2)
+    torch.cuda.current_stream().wait_stream(side)
+    assert rel(y2.float(), y.float()) < 1e-3  # a NaN left anywhere fails this
+    assert ((sums2.double() - _sums64(y2)).abs() <= bound).all()
 
 
 # ---- conv_dgrad + epilogue (training's conv2d_dgrad) ---------------------------------------------------------------
+@pytest.mark.requires_cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or cudnn._cudnn() is None,
                     reason="needs a CUDA GPU and nvidia-cudnn-frontend (run on the GPU machine)")
 @pytest.mark.parametrize("sig", ["acc", "threshold_bwd[#0.0](acc,full0)", "threshold_bwd[#0.0](add(acc,full1),full0)"])
@@ -204,6 +215,7 @@ def test_conv2d_dgrad_graph_matches_the_reference(sig, shape, cin, k, stride):
 
 
 # ---- matmul + epilogue (a linear layer's GEMM) ---------------------------------------------------------------------
+@pytest.mark.requires_cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or cudnn._cudnn() is None,
                     reason="needs a CUDA GPU and nvidia-cudnn-frontend (run on the GPU machine)")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -196,6 +196,7 @@ def _reference64(x, w, ops, sig, params, out):
     return aten.run(up, up.out.empty())
 
 
+@pytest.mark.requires_cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or cudnn._cudnn() is None,
                     reason="needs a CUDA GPU and nvidia-cudnn-frontend (run on the GPU machine)")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -224,6 +225,7 @@ def test_folded_bn_graph_matches_the_reference(dtype, sig, shape, cout, k, strid
     assert sorted(plan.workspace_bytes) == list(range(len(found))) and len(found) == min(3, len(plan.engines))
 
 
+@pytest.mark.requires_cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or cudnn._cudnn() is None,
                     reason="needs a CUDA GPU and nvidia-cudnn-frontend (run on the GPU machine)")
 def test_folded_bn_follows_in_place_updates_under_cuda_graph_replay():

@@ -31,11 +31,18 @@ class StatsPlan:
         for t in (self.sum, self.sq_sum):
             t.set_output(True).set_data_type(f32).set_dim([1, c, 1, 1]).set_stride([c, 1, c, c])
         self.graph, self.workspace_bytes = _build(g)
+        self.stream = None  # the raw CUDA stream the handle was last set to
 
     def run(self, x, w, y, sums):
-        _cudnn().set_stream(self.handle, torch.cuda.current_stream().cuda_stream)
+        """As the cudnn provider's Plan.run: the handle's stream set only when it changes (the handle is this plan's
+        alone), no workspace allocated where the graph needs none."""
+        stream = torch._C._cuda_getCurrentRawStream(y.device.index)
+        if stream != self.stream:
+            _cudnn().set_stream(self.handle, stream)
+            self.stream = stream
         binding = {self.x: x, self.w: w, self.y: y, self.sum: sums[0], self.sq_sum: sums[1]}
-        workspace = torch.empty(max(1, self.workspace_bytes), dtype=torch.uint8, device=y.device)
+        workspace = (torch.empty(self.workspace_bytes, dtype=torch.uint8, device=y.device) if self.workspace_bytes
+                     else None)
         self.graph.execute(binding, workspace, handle=self.handle)
 
 
