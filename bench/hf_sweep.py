@@ -1,0 +1,292 @@
+"""A sweep of Hugging Face transformers architectures (tiny configs, random weights) compiled with resfuse on the CPU
+against eager: which crash, which give wrong numbers, what fused and what fell back. Not a timing.
+
+  TRITON_INTERPRET=1 python bench/hf_sweep.py [--only NAME ...] [--train]
+
+Each model is built tiny (hidden 32-64, 1-2 layers, vocab 500, images 32-64 px, batch 2, seq 12, seed 0, batch
+norms given random statistics), then run in fp32 eval under no_grad, eagerly and through
+resfuse.compile(model, interpret=True) (our Triton kernels under Triton's interpreter). One line a model: status
+(ok / wrong / crash), the largest relative error (norm of the difference over the norm of eager's) over the output
+tensors, the number of fusions, the report's errors and notes (what fell back, and why), and for a crash the
+exception and its innermost frames. "wrong" is an error above 1e-4. With --train, a few models (TRAIN) instead run one
+training step (model.train(), dropout 0): the mean of the output backpropagated, every parameter's gradient compared
+with eager's (the worst parameter's relative error). Models missing from the installed transformers are skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before torch and triton are imported
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import resfuse  # noqa: E402
+
+WRONG = 1e-4
+B, SEQ, VOCAB = 2, 12, 500
+LM = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+          max_position_embeddings=64, use_cache=False)
+VIT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+           patch_size=8)
+NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def image(size=32):
+    return (torch.randn(B, 3, size, size),)
+
+
+def ids():
+    return (torch.randint(3, VOCAB, (B, SEQ)),)  # no pad (0, 1) or special ids: RoBERTa's positions count pads
+
+
+def encoder_of(cls_name, module, **config):
+    """A model's encoder class from its modeling module (not exported at the top level)."""
+    import importlib
+
+    mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    return getattr(mod, cls_name)
+
+
+# name -> (model class name, function of the class giving (model, inputs)); the config class is the model's
+CASES = {
+    "vit": ("ViTModel", lambda c: (c(transformers.ViTConfig(**VIT, **NO_DROPOUT)), image())),
+    "deit": ("DeiTModel", lambda c: (c(transformers.DeiTConfig(**VIT, **NO_DROPOUT)), image())),
+    "swin": ("SwinModel", lambda c: (c(transformers.SwinConfig(
+        image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4, mlp_ratio=2.0,
+        drop_path_rate=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)), image())),
+    "beit": ("BeitModel", lambda c: (c(transformers.BeitConfig(
+        **VIT, **NO_DROPOUT, use_relative_position_bias=True, use_mean_pooling=True)), image())),
+    "dinov2": ("Dinov2Model", lambda c: (c(transformers.Dinov2Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2, image_size=32, patch_size=8,
+        **NO_DROPOUT)), image())),
+    "mobilevit": ("MobileViTModel", lambda c: (c(transformers.MobileViTConfig(
+        image_size=64, hidden_sizes=[32, 48, 64], neck_hidden_sizes=[8, 16, 24, 32, 40, 48, 64], num_attention_heads=2,
+        expand_ratio=2.0, hidden_dropout_prob=0.0)), image(64))),
+    "mobilenetv2": ("MobileNetV2Model", lambda c: (c(transformers.MobileNetV2Config(
+        image_size=32, depth_multiplier=0.25, min_depth=8, expand_ratio=2.0)), image())),
+    "regnet": ("RegNetModel", lambda c: (c(transformers.RegNetConfig(
+        embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], groups_width=8)), image())),
+    "convnextv2": ("ConvNextV2Model", lambda c: (c(transformers.ConvNextV2Config(
+        num_channels=3, hidden_sizes=[16, 32], depths=[1, 1], num_stages=2)), image())),
+    "segformer": ("SegformerModel", lambda c: (c(transformers.SegformerConfig(
+        num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32], patch_sizes=[7, 3],
+        strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2], drop_path_rate=0.0)), image())),
+    "poolformer": ("PoolFormerModel", lambda c: (c(transformers.PoolFormerConfig(
+        num_encoder_blocks=2, depths=[1, 1], hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2],
+        padding=[2, 1], mlp_ratio=2.0, drop_path_rate=0.0)), image())),
+    "levit": ("LevitModel", lambda c: (c(transformers.LevitConfig(
+        image_size=64, hidden_sizes=[32, 48, 64], num_attention_heads=[2, 3, 4], depths=[1, 1, 1],
+        key_dim=[8, 8, 8], mlp_ratio=[2, 2, 2], attention_ratio=[2, 2, 2])), image(64))),
+    "distilbert": ("DistilBertModel", lambda c: (c(transformers.DistilBertConfig(
+        vocab_size=VOCAB, dim=64, hidden_dim=128, n_layers=2, n_heads=4, max_position_embeddings=64, dropout=0.0,
+        attention_dropout=0.0)), ids())),
+    "roberta": ("RobertaModel", lambda c: (c(transformers.RobertaConfig(
+        **{**LM, "max_position_embeddings": 66}, **NO_DROPOUT)), ids())),
+    "albert": ("AlbertModel", lambda c: (c(transformers.AlbertConfig(
+        **LM, embedding_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)), ids())),
+    "electra": ("ElectraModel", lambda c: (c(transformers.ElectraConfig(**LM, embedding_size=32, **NO_DROPOUT)),
+                                          ids())),
+    "deberta-v2": ("DebertaV2Model", lambda c: (c(transformers.DebertaV2Config(
+        **LM, **NO_DROPOUT, relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=16,
+        max_relative_positions=32)), ids())),
+    "mpnet": ("MPNetModel", lambda c: (c(transformers.MPNetConfig(**LM, **NO_DROPOUT)), ids())),
+    "bart": ("BartModel", lambda c: (c(transformers.BartConfig(
+        vocab_size=VOCAB, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, use_cache=False)), (*ids(), None, *ids()))),
+    "whisper-encoder": ("WhisperEncoder", lambda c: (c(transformers.WhisperConfig(
+        d_model=64, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128, num_mel_bins=16,
+        max_source_positions=16, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)),
+        (torch.randn(B, 16, 32),))),
+    "wav2vec2": ("Wav2Vec2Model", lambda c: (c(transformers.Wav2Vec2Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, conv_dim=(32, 32),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+        hidden_dropout=0.0, activation_dropout=0.0, attention_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0)),
+        (torch.randn(B, 400),))),
+    "gpt-neox": ("GPTNeoXModel", lambda c: (c(transformers.GPTNeoXConfig(**LM)), ids())),
+    "falcon": ("FalconModel", lambda c: (c(transformers.FalconConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+        use_cache=False)), ids())),
+    "opt": ("OPTModel", lambda c: (c(transformers.OPTConfig(
+        vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, word_embed_proj_dim=64, dropout=0.0, attention_dropout=0.0, layerdrop=0.0,
+        use_cache=False)), ids())),
+    "bloom": ("BloomModel", lambda c: (c(transformers.BloomConfig(
+        vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, use_cache=False)), ids())),
+    "mixtral": ("MixtralModel", lambda c: (c(transformers.MixtralConfig(
+        **LM, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)), ids())),
+    "qwen2-moe": ("Qwen2MoeModel", lambda c: (c(transformers.Qwen2MoeConfig(
+        **LM, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64)), ids())),
+    "stablelm": ("StableLmModel", lambda c: (c(transformers.StableLmConfig(**LM, num_key_value_heads=2)), ids())),
+    "gemma2": ("Gemma2Model", lambda c: (c(transformers.Gemma2Config(
+        **LM, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8)), ids())),
+    "phi": ("PhiModel", lambda c: (c(transformers.PhiConfig(**LM, partial_rotary_factor=0.5)), ids())),
+    "gpt-j": ("GPTJModel", lambda c: (c(transformers.GPTJConfig(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64, use_cache=False)), ids())),
+    "codegen": ("CodeGenModel", lambda c: (c(transformers.CodeGenConfig(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64, n_ctx=64,
+        use_cache=False)), ids())),
+}
+ENCODERS = {"WhisperEncoder": "whisper"}  # classes found in their modeling module, not at the top level
+TRAIN = ["vit", "distilbert", "mobilenetv2", "regnet", "opt"]
+
+
+def model_class(name):
+    cls_name = CASES[name][0]
+    if cls_name in ENCODERS:
+        try:
+            return encoder_of(cls_name, ENCODERS[cls_name])
+        except (ImportError, AttributeError):
+            return None
+    return getattr(transformers, cls_name, None)
+
+
+def build(name):
+    torch.manual_seed(0)
+    model, inputs = CASES[name][1](model_class(name))
+    with torch.no_grad():
+        for m in model.modules():  # statistics a trained net could have: the identity would hide a wrong fold
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+                if m.affine:
+                    m.weight.uniform_(0.5, 1.5)
+                    m.bias.uniform_(-0.5, 0.5)
+    return model, inputs
+
+
+def tensors(out, prefix="out"):
+    """(name, tensor) for every floating tensor in a model's output (ModelOutput, tuple or tensor)."""
+    if isinstance(out, torch.Tensor):
+        return [(prefix, out)] if out.is_floating_point() else []
+    if isinstance(out, dict):  # ModelOutput is an OrderedDict of its set fields
+        return [t for k, v in out.items() for t in tensors(v, k)]
+    if isinstance(out, (tuple, list)):
+        return [t for i, v in enumerate(out) for t in tensors(v, f"{prefix}[{i}]")]
+    return []  # caches and other objects
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    d = (a - b).norm().item()
+    n = b.norm().item()
+    return d / n if n > 0 else d
+
+
+def worst(pairs):
+    """(largest relative error, its name) over (name, ours, eager's)."""
+    errs = [(rel(a, b) if a.shape == b.shape else float("inf"), k) for k, a, b in pairs]
+    return max(errs, default=(0.0, "-"))
+
+
+def said(report):
+    """The report's errors and notes, and the distinct reasons of its rejections (counted), shortened."""
+    out = [f"error: {e[:160]}" for e in report.errors] + [f"note: {n[:160]}" for n in report.notes]
+    reasons = {}
+    for r in report.rejected:
+        reasons[r.reason[:80]] = reasons.get(r.reason[:80], 0) + 1
+    out += [f"rejected x{n}: {r}" for r, n in sorted(reasons.items(), key=lambda x: -x[1])[:4]]
+    return out
+
+
+def crash_lines(e):
+    """The innermost exception of e's chain, and its last frames (resfuse's first, then the very last)."""
+    while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+        e = e.__cause__ or e.__context__
+    frames = traceback.extract_tb(e.__traceback__)
+    ours = [f for f in frames if "/resfuse/" in f.filename][-3:]
+    tail = [f for f in frames[-2:] if f not in ours]
+    msg = " ".join(str(e).split())[:300]
+    return [f"{type(e).__name__}: {msg}"] + [f"  {f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}"
+                                             for f in ours + tail]
+
+
+def check_eval(name):
+    model, inputs = build(name)
+    model.eval()
+    torch._dynamo.reset()
+    compiled = resfuse.compile(model, interpret=True)
+    with torch.no_grad():
+        ref = model(*inputs)
+        out = compiled(*inputs)
+    ours, refs = tensors(out), tensors(ref)
+    if [k for k, _ in ours] != [k for k, _ in refs]:
+        raise AssertionError(f"outputs differ: {[k for k, _ in ours]} vs {[k for k, _ in refs]}")
+    err, where = worst([(k, a, b) for (k, a), (_, b) in zip(ours, refs)])
+    return err, where, compiled.resfuse_report
+
+
+def check_train(name):
+    """One training step: the output's mean (its first tensor) backpropagated; gradients against eager's."""
+    model, inputs = build(name)
+    model.train()
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = resfuse.compile(model, interpret=True)
+    ref = tensors(eager(*inputs))[0][1]
+    out = tensors(compiled(*inputs))[0][1]
+    ref.float().mean().backward()
+    out.float().mean().backward()
+    params = dict(eager.named_parameters())
+    pairs = [("output", out.detach(), ref.detach())]
+    for k, p in model.named_parameters():
+        if params[k].grad is None and p.grad is None:
+            continue
+        if (params[k].grad is None) != (p.grad is None):
+            raise AssertionError(f"{k}: gradient {'missing' if p.grad is None else 'unexpected'}")
+        pairs.append((k, p.grad, params[k].grad))
+    err, where = worst(pairs)
+    return err, where, compiled.resfuse_report
+
+
+def run(name, train):
+    t0 = time.perf_counter()
+    try:
+        err, where, report = (check_train if train else check_eval)(name)
+    except Exception as e:  # noqa: BLE001  one model failing must not stop the sweep
+        lines = crash_lines(e)
+        print(f"{name:16s} crash  {'-':>9s} {'-':>4s} {time.perf_counter() - t0:6.1f}s  {lines[0]}", flush=True)
+        for line in lines[1:]:
+            print(f"{'':16s} {line}", flush=True)
+        return "crash"
+    status = "wrong" if not err <= WRONG else "ok"
+    print(f"{name:16s} {status:6s} {err:9.1e} {len(report.fusions):4d} {time.perf_counter() - t0:6.1f}s  "
+          f"worst: {where}", flush=True)
+    for line in said(report):
+        print(f"{'':16s}   {line}", flush=True)
+    return status
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", nargs="+", metavar="NAME", choices=list(CASES), help="these models only")
+    p.add_argument("--train", action="store_true", help=f"one training step instead ({', '.join(TRAIN)})")
+    args = p.parse_args()
+    names = args.only or (TRAIN if args.train else list(CASES))
+    t0 = time.perf_counter()
+    print(f"{'model':16s} {'status':6s} {'rel err':>9s} {'fus':>4s} {'time':>7s}  "
+          f"({'train step: output and gradients' if args.train else 'eval, no_grad'}; fp32, CPU, interpret)")
+    counts = {}
+    for name in names:
+        if model_class(name) is None:
+            print(f"{name:16s} skip   {CASES[name][0]} not in transformers {transformers.__version__}", flush=True)
+            counts["skip"] = counts.get("skip", 0) + 1
+            continue
+        status = run(name, args.train)
+        counts[status] = counts.get(status, 0) + 1
+        torch._dynamo.reset()
+    print(f"\n{', '.join(f'{n} {s}' for s, n in counts.items())}; {time.perf_counter() - t0:.0f} s in all")
+
+
+if __name__ == "__main__":
+    main()
