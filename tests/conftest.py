@@ -44,7 +44,7 @@ def _fresh_dynamo():
 def pytest_collection_modifyitems(items):
     """A test skipped without a CUDA GPU is a GPU test: it gets the requires_cuda mark, which the GPU machine's run
     selects (`pytest -m requires_cuda tests`), even where only its skipif says so. Five cuDNN tests carried the skipif
-    alone, were never selected there, and one of them had failed for twelve sessions unseen."""
+    alone, were never selected there, and one of them had failed unseen since the forty-sixth session."""
     for item in items:
         if any(m.kwargs.get("reason", "").find("CUDA GPU") >= 0 for m in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.requires_cuda)
