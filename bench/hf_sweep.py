@@ -190,13 +190,15 @@ def worst(pairs):
     return max(errs, default=(0.0, "-"))
 
 
-def said(report):
-    """The report's errors and notes, and the distinct reasons of its rejections (counted), shortened."""
-    out = [f"error: {e[:160]}" for e in report.errors] + [f"note: {n[:160]}" for n in report.notes]
-    reasons = {}
-    for r in report.rejected:
-        reasons[r.reason[:80]] = reasons.get(r.reason[:80], 0) + 1
-    out += [f"rejected x{n}: {r}" for r, n in sorted(reasons.items(), key=lambda x: -x[1])[:4]]
+def said(report, rejected: bool):
+    """The report's errors and notes (what fell back, and why), and with `rejected` the distinct reasons of its
+    rejections, counted; shortened."""
+    out = [f"error: {e[:200]}" for e in report.errors] + [f"note: {n[:200]}" for n in report.notes]
+    if rejected:
+        reasons = {}
+        for r in report.rejected:
+            reasons[r.reason[:100]] = reasons.get(r.reason[:100], 0) + 1
+        out += [f"rejected x{n}: {r}" for r, n in sorted(reasons.items(), key=lambda x: -x[1])]
     return out
 
 
@@ -251,20 +253,21 @@ def check_train(name):
     return max([(err, where), *errs]), compiled.resfuse_report
 
 
-def run(name, train):
+def run(name, train, rejected):
     t0 = time.perf_counter()
     try:
         (err, where), report = (check_train if train else check_eval)(name)
     except Exception as e:  # noqa: BLE001  one model failing must not stop the sweep
         lines = crash_lines(e)
-        print(f"{name:16s} crash  {'-':>9s} {'-':>4s} {time.perf_counter() - t0:6.1f}s  {lines[0]}", flush=True)
+        print(f"{name:16s} crash  {'-':>9s} {'-':>4s} {'-':>4s} {time.perf_counter() - t0:6.1f}s  {lines[0]}",
+              flush=True)
         for line in lines[1:]:
             print(f"{'':16s} {line}", flush=True)
         return "crash"
     status = "wrong" if not err <= WRONG else "ok"
-    print(f"{name:16s} {status:6s} {err:9.1e} {len(report.fusions):4d} {time.perf_counter() - t0:6.1f}s  "
-          f"worst: {where}", flush=True)
-    for line in said(report):
+    print(f"{name:16s} {status:6s} {err:9.1e} {len(report.fusions):4d} {len(report.rejected):4d} "
+          f"{time.perf_counter() - t0:6.1f}s  worst: {where}", flush=True)
+    for line in said(report, rejected):
         print(f"{'':16s}   {line}", flush=True)
     return status
 
@@ -273,10 +276,11 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="+", metavar="NAME", choices=list(CASES), help="these models only")
     p.add_argument("--train", action="store_true", help=f"one training step instead ({', '.join(TRAIN)})")
+    p.add_argument("--rejected", action="store_true", help="also list what the passes refused to fuse, and why")
     args = p.parse_args()
     names = args.only or (TRAIN if args.train else list(CASES))
     t0 = time.perf_counter()
-    print(f"{'model':16s} {'status':6s} {'rel err':>9s} {'fus':>4s} {'time':>7s}  "
+    print(f"{'model':16s} {'status':6s} {'rel err':>9s} {'fus':>4s} {'rej':>4s} {'time':>7s}  "
           f"({'train step: output and gradients' if args.train else 'eval, no_grad'}; fp32, CPU, interpret)")
     counts = {}
     for name in names:
@@ -284,7 +288,7 @@ def main():
             print(f"{name:16s} skip   {CASES[name][0]} not in transformers {transformers.__version__}", flush=True)
             counts["skip"] = counts.get("skip", 0) + 1
             continue
-        status = run(name, args.train)
+        status = run(name, args.train, args.rejected)
         counts[status] = counts.get(status, 0) + 1
         torch._dynamo.reset()
     print(f"\n{', '.join(f'{n} {s}' for s, n in counts.items())}; {time.perf_counter() - t0:.0f} s in all")
