@@ -34,15 +34,15 @@ class StatsPlan:
         self.stream = None  # the raw CUDA stream the handle was last set to
 
     def run(self, x, w, y, sums):
-        """As the cudnn provider's Plan.run: the handle's stream set only when it changes (the handle is this plan's
-        alone), no workspace allocated where the graph needs none."""
+        """As the cudnn provider's Plan.run, the handle's stream is set only when it changes (the handle is this
+        plan's alone). The workspace stays a tensor even where the graph needs none: pygraph.execute, unlike
+        execute_plan_at_index, was not seen on a GPU taking None."""
         stream = torch._C._cuda_getCurrentRawStream(y.device.index)
         if stream != self.stream:
             _cudnn().set_stream(self.handle, stream)
             self.stream = stream
         binding = {self.x: x, self.w: w, self.y: y, self.sum: sums[0], self.sq_sum: sums[1]}
-        workspace = (torch.empty(self.workspace_bytes, dtype=torch.uint8, device=y.device) if self.workspace_bytes
-                     else None)
+        workspace = torch.empty(max(1, self.workspace_bytes), dtype=torch.uint8, device=y.device)
         self.graph.execute(binding, workspace, handle=self.handle)
 
 
