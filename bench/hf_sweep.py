@@ -1,21 +1,24 @@
 """A sweep of Hugging Face transformers architectures (tiny configs, random weights) compiled with resfuse on the CPU
 against eager: which crash, which give wrong numbers, what fused and what fell back. Not a timing.
 
-  TRITON_INTERPRET=1 python bench/hf_sweep.py [--only NAME ...] [--train]
+  TRITON_INTERPRET=1 python bench/hf_sweep.py [--only NAME ...] [--train] [--rejected]
 
-Each model is built tiny (hidden 32-64, 1-2 layers, vocab 500, images 32-64 px, batch 2, seq 12, seed 0, batch
-norms given random statistics), then run in fp32 eval under no_grad, eagerly and through
-resfuse.compile(model, interpret=True) (our Triton kernels under Triton's interpreter). One line a model: status
-(ok / wrong / crash), the largest relative error (norm of the difference over the norm of eager's) over the output
-tensors, the number of fusions, the report's errors and notes (what fell back, and why), and for a crash the
-exception and its innermost frames. "wrong" is an error above 1e-4. With --train, a few models (TRAIN) instead run one
-training step (model.train(), dropout 0): the mean of the output backpropagated, every parameter's gradient compared
-with eager's (the worst parameter's relative error). Models missing from the installed transformers are skipped.
+Each model (CASES) is built tiny (hidden 16-64, 1-2 layers a stage, vocab 500, images 32-64 px, batch 2, seq 12,
+seed 0, batch norms given random statistics; text models get an attention mask padding one sequence), then run in
+fp32 eval under no_grad, eagerly and through resfuse.compile(model, interpret=True) (our Triton kernels under
+Triton's interpreter). One line a model: status (ok / wrong / crash), the largest relative error (norm of the
+difference over the norm of eager's) over the output tensors and which output it was, the number of fusions and of
+rejections, the time; under it the report's errors and notes (what fell back, and why), or for a crash the
+innermost exception and its last frames (resfuse's first). "wrong" is an error above 1e-4. With --train, a few
+models (TRAIN) instead run one training step (model.train(), dropout 0): outputs and every parameter's gradient
+against eager's (check_train). --rejected also lists the passes' refusals. Models missing from the installed
+transformers are skipped, and said so.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib
 import os
 import sys
 import time
@@ -24,40 +27,36 @@ from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before torch and triton are imported
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
+import torch
+import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import resfuse  # noqa: E402
+import resfuse
 
 WRONG = 1e-4
 GRAD_FLOOR = 1e-3
 B, SEQ, VOCAB = 2, 12, 500
-LM = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-          max_position_embeddings=64, use_cache=False)
-VIT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=32,
-           patch_size=8)
-NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+LM = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "max_position_embeddings": 64, "use_cache": False}
+VIT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+       "image_size": 32, "patch_size": 8}
+NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
 
 
 def image(size=32):
-    return (torch.randn(B, 3, size, size),)
+    return {"pixel_values": torch.randn(B, 3, size, size)}
 
 
-def ids():
-    return (torch.randint(3, VOCAB, (B, SEQ)),)  # no pad (0, 1) or special ids: RoBERTa's positions count pads
+def ids(**more):
+    """Token ids (none a pad or special id: RoBERTa's positions count pads) and an attention mask that pads the
+    second sequence's last 4 tokens."""
+    mask = torch.ones(B, SEQ, dtype=torch.long)
+    mask[1, -4:] = 0
+    return {"input_ids": torch.randint(3, VOCAB, (B, SEQ)), "attention_mask": mask, **more}
 
 
-def encoder_of(cls_name, module, **config):
-    """A model's encoder class from its modeling module (not exported at the top level)."""
-    import importlib
-
-    mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
-    return getattr(mod, cls_name)
-
-
-# name -> (model class name, function of the class giving (model, inputs)); the config class is the model's
+# name -> (model class name, function of the class giving (model, its keyword inputs))
 CASES = {
     "vit": ("ViTModel", lambda c: (c(transformers.ViTConfig(**VIT, **NO_DROPOUT)), image())),
     "deit": ("DeiTModel", lambda c: (c(transformers.DeiTConfig(**VIT, **NO_DROPOUT)), image())),
@@ -73,7 +72,7 @@ CASES = {
         image_size=64, hidden_sizes=[32, 48, 64], neck_hidden_sizes=[8, 16, 24, 32, 40, 48, 64], num_attention_heads=2,
         expand_ratio=2.0, hidden_dropout_prob=0.0)), image(64))),
     "mobilenetv2": ("MobileNetV2Model", lambda c: (c(transformers.MobileNetV2Config(
-        image_size=32, depth_multiplier=0.25, min_depth=8, expand_ratio=2.0)), image())),
+        image_size=64, depth_multiplier=0.25, min_depth=8, expand_ratio=2.0)), image(64))),
     "regnet": ("RegNetModel", lambda c: (c(transformers.RegNetConfig(
         embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], groups_width=8)), image())),
     "convnextv2": ("ConvNextV2Model", lambda c: (c(transformers.ConvNextV2Config(
@@ -103,16 +102,17 @@ CASES = {
     "bart": ("BartModel", lambda c: (c(transformers.BartConfig(
         vocab_size=VOCAB, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
         decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64,
-        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, use_cache=False)), (*ids(), None, *ids()))),
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, use_cache=False)),
+        ids(decoder_input_ids=torch.randint(3, VOCAB, (B, SEQ))))),
     "whisper-encoder": ("WhisperEncoder", lambda c: (c(transformers.WhisperConfig(
         d_model=64, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128, num_mel_bins=16,
         max_source_positions=16, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)),
-        (torch.randn(B, 16, 32),))),
+        {"input_features": torch.randn(B, 16, 32)})),
     "wav2vec2": ("Wav2Vec2Model", lambda c: (c(transformers.Wav2Vec2Config(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, conv_dim=(32, 32),
         conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
         hidden_dropout=0.0, activation_dropout=0.0, attention_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0)),
-        (torch.randn(B, 400),))),
+        {"input_values": torch.randn(B, 400)})),
     "gpt-neox": ("GPTNeoXModel", lambda c: (c(transformers.GPTNeoXConfig(**LM)), ids())),
     "falcon": ("FalconModel", lambda c: (c(transformers.FalconConfig(
         vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
@@ -146,9 +146,10 @@ def model_class(name):
     cls_name = CASES[name][0]
     if cls_name in ENCODERS:
         try:
-            return encoder_of(cls_name, ENCODERS[cls_name])
-        except (ImportError, AttributeError):
+            module = importlib.import_module("transformers.models.{0}.modeling_{0}".format(ENCODERS[cls_name]))
+        except ImportError:
             return None
+        return getattr(module, cls_name, None)
     return getattr(transformers, cls_name, None)
 
 
@@ -207,8 +208,8 @@ def crash_lines(e):
     while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
         e = e.__cause__ or e.__context__
     frames = traceback.extract_tb(e.__traceback__)
-    ours = [f for f in frames if "/resfuse/" in f.filename][-3:]
-    tail = [f for f in frames[-2:] if f not in ours]
+    ours = [f for f in frames if "/resfuse/" in f.filename][-5:]
+    tail = [f for f in frames[-1:] if f not in ours]
     msg = " ".join(str(e).split())[:300]
     return [f"{type(e).__name__}: {msg}"] + [f"  {f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}"
                                              for f in ours + tail]
@@ -220,8 +221,8 @@ def check_eval(name):
     torch._dynamo.reset()
     compiled = resfuse.compile(model, interpret=True)
     with torch.no_grad():
-        ref = model(*inputs)
-        out = compiled(*inputs)
+        ref = model(**inputs)
+        out = compiled(**inputs)
     ours, refs = tensors(out), tensors(ref)
     if [k for k, _ in ours] != [k for k, _ in refs]:
         raise AssertionError(f"outputs differ: {[k for k, _ in ours]} vs {[k for k, _ in refs]}")
@@ -239,7 +240,7 @@ def check_train(name):
     eager = copy.deepcopy(model)
     torch._dynamo.reset()
     compiled = resfuse.compile(model, interpret=True)
-    ref, out = tensors(eager(*inputs)), tensors(compiled(*inputs))
+    ref, out = tensors(eager(**inputs)), tensors(compiled(**inputs))
     rng = torch.Generator().manual_seed(1)
     weights = [torch.randn(t.shape, generator=rng) / t.numel() for _, t in ref]
     sum((t.float() * w).sum() for (_, t), w in zip(ref, weights)).backward()

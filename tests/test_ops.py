@@ -1,4 +1,5 @@
 """The resfuse:: custom ops: schema, fake implementation and reference path (torch.library.opcheck)."""
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
@@ -54,3 +55,21 @@ def test_gemm_bias_of_another_dtype_or_shape_takes_the_unfused_path():
         out = torch.ops.resfuse.gemm(x, w, [bias], str(epi.LONE_BIAS), [7, 3], "aten")
         ref = (x.double() @ w.double() + bias.double()).to(out.dtype)
         torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_a_fused_call_whose_operand_does_not_fit_its_output_fails_on_fake_values():
+    """The fake implementations check that every operand broadcasts to the output, so a pass that builds such a
+    call fails while it runs (the graph then runs unfused, with the reason in the report) instead of at the model's
+    first call; a per-channel operand fits any view of the rows."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        a, b, rows, bias = torch.randn(6, 4), torch.randn(4, 8), torch.randn(6, 8), torch.randn(8)
+        with pytest.raises(RuntimeError):
+            torch.ops.resfuse.gemm(a, b, [rows], "add(acc,full0)", [2, 3, 8], "triton")
+        assert torch.ops.resfuse.gemm(a, b, [rows], "add(acc,full0)", [6, 8], "triton").shape == (6, 8)
+        assert torch.ops.resfuse.gemm(a, b, [bias], "add(acc,c0)", [2, 3, 8], "triton").shape == (2, 3, 8)
+        x, w = torch.randn(2, 4, 5, 5), torch.randn(8, 4, 3, 3)
+        with pytest.raises(RuntimeError):
+            torch.ops.resfuse.conv2d(x, w, [torch.randn(2, 8, 5, 4)], "add(acc,full0)", [1, 1], [1, 1], [1, 1],
+                                     "triton")

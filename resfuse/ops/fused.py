@@ -206,14 +206,27 @@ def groups_of(x, weight) -> int:
     return x.shape[1] // weight.shape[1]
 
 
+def operands_fit(epilogue: str, operands, out_shape, channel_dim: int) -> None:
+    """Raise where an operand does not broadcast to the op's output, as the kernels' and the reference's views of it
+    would at the first call. The fake implementations run this on the passes' fake values (passes/group.fake_call),
+    so a pass that builds such a call fails while it runs, and the graph runs unfused with the reason in the report
+    (capture/backend.py), instead of the user's model raising. Static shapes only: comparing symbolic ones would
+    guard on them."""
+    if all(isinstance(d, int) for d in (*out_shape, *(d for t in operands for d in t.shape))):
+        epi.operand_views(epi.parse(epilogue), list(operands), list(out_shape), channel_dim)
+
+
 @conv2d.register_fake
 def _(x, weight, operands, epilogue, stride, padding, dilation, provider):
-    return conv_output(x, weight, epilogue, stride, padding, dilation).empty()
+    out = conv_output(x, weight, epilogue, stride, padding, dilation)
+    operands_fit(epilogue, operands, out.shape, 1)
+    return out.empty()
 
 
 @conv2d_aux.register_fake
 def _(x, weight, operands, epilogue, stride, padding, dilation, provider):
     out = conv_output(x, weight, epilogue, stride, padding, dilation)
+    operands_fit(epilogue, operands, out.shape, 1)
     return out.empty(), aux_output(out, x.dtype).empty()
 
 
@@ -296,10 +309,13 @@ def _addmm_bias(a, b, operands, epilogue, out) -> bool:
 
 @gemm.register_fake
 def _(a, b, operands, epilogue, out_shape, provider):
-    return a.new_empty(_gemm_out_shape(a, b, out_shape), dtype=epi.out_dtype(epi.parse(epilogue), a.dtype))
+    shape = _gemm_out_shape(a, b, out_shape)
+    operands_fit(epilogue, operands, shape, -1)
+    return a.new_empty(shape, dtype=epi.out_dtype(epi.parse(epilogue), a.dtype))
 
 
 @gemm_aux.register_fake
 def _(a, b, operands, epilogue, out_shape, provider):
     shape = _gemm_out_shape(a, b, out_shape)
+    operands_fit(epilogue, operands, shape, -1)
     return a.new_empty(shape, dtype=epi.out_dtype(epi.parse(epilogue), a.dtype)), a.new_empty(shape)

@@ -176,3 +176,22 @@ def test_a_gated_mlp_runs_as_one_gemm(name):
     assert err <= 1e-4 and report.errors == []
     glus = [f for f in report.fusions if f.ops == [act, "mul"]]
     assert len(glus) == 2 and all(f.shapes["inputs"][1] == (64, 176) and f.shapes["out"] == (2, 9, 88) for f in glus)
+
+
+FLAT_RESIDUALS = {  # models whose residual add runs on the tokens flattened to [B*S, H], then viewed back
+    "opt": lambda: transformers.OPTModel(transformers.OPTConfig(
+        vocab_size=500, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, word_embed_proj_dim=64)),
+    "qwen2-moe": lambda: transformers.Qwen2MoeModel(transformers.Qwen2MoeConfig(  # the shared expert's gate too
+        **SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64)),
+}
+
+
+@pytest.mark.parametrize("name", FLAT_RESIDUALS)
+def test_a_residual_added_to_flattened_tokens_fuses_and_runs(name):
+    """Both crashed at their first call at batch 2 (found by bench/hf_sweep.py): the GEMM absorbed the [B*S, H]
+    residual add, then took the view back to [B, S, H] as its shape, which the residual does not broadcast to."""
+    torch.manual_seed(0)
+    report, err = compile_and_compare(FLAT_RESIDUALS[name]().eval(), torch.randint(0, 500, (2, 9)))
+    assert err <= 1e-4 and report.errors == []
+    assert any(f.anchor == "gemm" and "add" in f.ops for f in report.fusions)
