@@ -77,7 +77,8 @@ CASES = {
         image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4, mlp_ratio=2.0,
         drop_path_rate=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)), image())),
     "beit": ("BeitModel", lambda c: (c(transformers.BeitConfig(
-        **VIT, **NO_DROPOUT, use_relative_position_bias=True, use_mean_pooling=True)), image())),
+        **VIT, **NO_DROPOUT, use_relative_position_bias=True, use_mean_pooling=True,
+        drop_path_rate=0.0)), image())),  # its default, 0.1, drops residual branches at random in training
     "dinov2": ("Dinov2Model", lambda c: (c(transformers.Dinov2Config(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2, image_size=32, patch_size=8,
         **NO_DROPOUT)), image())),
