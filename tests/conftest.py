@@ -46,5 +46,5 @@ def pytest_collection_modifyitems(items):
     selects (`pytest -m requires_cuda tests`), even where only its skipif says so. Five cuDNN tests carried the skipif
     alone, were never selected there, and one of them had failed unseen since the forty-sixth session."""
     for item in items:
-        if any(m.kwargs.get("reason", "").find("CUDA GPU") >= 0 for m in item.iter_markers("skipif")):
+        if any("CUDA GPU" in m.kwargs.get("reason", "") for m in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.requires_cuda)

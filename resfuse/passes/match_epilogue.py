@@ -159,7 +159,7 @@ def _step(g: Group, node: fx.Node, ctx) -> tuple | str | None:
         if (epi.aux_value(g.tree) is not None or g.out_val.dim() != 2 or len(shape) < 2 or shape[-1] != g.out_val.shape[-1]
                 or not g.out_val.is_contiguous() or legality.static_tensor(node)):
             return None  # not a 2-D product's rows re-batched (a 1-D linear's [1, N] -> [N] is not; nor a dynamic inner dim)
-        why = _rows_read(g, shape)
+        why = _rows_read(g, node)
         if why:
             return why
         g.params = (legality.shape_param(shape),)
@@ -167,22 +167,21 @@ def _step(g: Group, node: fx.Node, ctx) -> tuple | str | None:
     return None
 
 
-def _rows_read(g: Group, shape: list) -> str | None:
-    """Why the group's product may not take the view `shape`: an operand it already absorbed against the 2-D
+def _rows_read(g: Group, view: fx.Node) -> str | None:
+    """Why the group's product may not take the shape of `view`: an operand it already absorbed against the 2-D
     product (read row by row, as OPT's residual of [B*S, N] or Qwen2-MoE's [B*S, 1] gate) that does not broadcast
     to the view ([B, S, N] where B > 1); per-channel operands always do."""
+    shape = tuple(legality.val(view).shape)
     for o in epi.operands(g.tree):
         if o.kind == "c":
             continue
-        v = legality.val(g.operands[o.slot])
+        operand = g.operands[o.slot]
+        v = legality.val(operand)
         if not all(isinstance(d, int) for d in (*v.shape, *shape)):
-            return f"an operand read by rows, {tuple(v.shape)}, and a view of dynamic shape {tuple(shape)}"
-        try:
-            fits = torch.broadcast_shapes(v.shape, shape) == torch.Size(shape)
-        except RuntimeError:
-            fits = False
-        if not fits:
-            return f"operand {tuple(v.shape)}, read by the product's rows, does not broadcast to its view {tuple(shape)}"
+            return f"an operand read by rows, {tuple(v.shape)}, and a view of dynamic shape {shape}"
+        _, why = legality.broadcast_kind(operand, legality.val(view), g.channel_dim)
+        if why:
+            return f"an operand read by the product's rows does not broadcast to its view ({why})"
     return None
 
 
