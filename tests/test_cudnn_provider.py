@@ -240,6 +240,14 @@ def test_gemm_graph_matches_the_reference(dtype, sig, m, n, k, out_shape):
     want = aten.run(up, up.out.empty())
     assert got is out and not got.isnan().any()
     assert rel(got, want) < (4e-3 if dtype == torch.float16 else 2e-2)
+    # again on a side stream, into a poisoned output: the plan moves its handle to the current stream
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    again = torch.full_like(out, float("nan"))
+    with torch.cuda.stream(side):
+        cudnn.run(call, again)
+    torch.cuda.current_stream().wait_stream(side)
+    assert rel(again.float(), got.float()) < 1e-3  # a NaN left anywhere fails this
 
 
 # ---- engine configs built by compile workers (tuning/precompile.py) --------------------------------------------------

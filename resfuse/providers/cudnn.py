@@ -240,10 +240,7 @@ class Plan:
             self.graph.build_plan_at_index(index)
             built = self.built[engine] = (index, self.graph.get_workspace_size_plan_at_index(index))
         index, workspace_bytes = built
-        stream = torch._C._cuda_getCurrentRawStream(out.device.index)  # Inductor's own call: no Stream object
-        if stream != self.stream:  # the handle is this plan's alone, so its stream changes only here
-            _cudnn().set_stream(self.handle, stream)
-            self.stream = stream
+        follow_stream(self, out.device)
         binding = {self.x: call.inputs[0], self.w: call.inputs[1], self.y: out}
         for slot, tensor in self.operands.items():
             binding[tensor] = self._operand(call, slot)
@@ -252,6 +249,15 @@ class Plan:
         workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=out.device) if workspace_bytes else None
         self.graph.execute_plan_at_index(binding, workspace, index=index, handle=self.handle)
         return out
+
+
+def follow_stream(plan, device: torch.device) -> None:
+    """Set `plan.handle`'s stream to the current one, where it changed since `plan.stream` (the handle is the plan's
+    alone, so its stream changes only here); cuDNN runs the graph on it."""
+    stream = torch._C._cuda_getCurrentRawStream(device.index)  # Inductor's own call: no Stream object
+    if stream != plan.stream:
+        _cudnn().set_stream(plan.handle, stream)
+        plan.stream = stream
 
 
 _PLANS: dict = {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .cudnn import ONE_PIXEL, _build, _cudnn
+from .cudnn import ONE_PIXEL, _build, _cudnn, follow_stream
 
 
 class StatsPlan:
@@ -34,13 +34,9 @@ class StatsPlan:
         self.stream = None  # the raw CUDA stream the handle was last set to
 
     def run(self, x, w, y, sums):
-        """As the cudnn provider's Plan.run, the handle's stream is set only when it changes (the handle is this
-        plan's alone). The workspace stays a tensor even where the graph needs none: pygraph.execute, unlike
+        """The workspace stays a tensor even where the graph needs none: pygraph.execute, unlike
         execute_plan_at_index, was not seen on a GPU taking None."""
-        stream = torch._C._cuda_getCurrentRawStream(y.device.index)
-        if stream != self.stream:
-            _cudnn().set_stream(self.handle, stream)
-            self.stream = stream
+        follow_stream(self, y.device)
         binding = {self.x: x, self.w: w, self.y: y, self.sum: sums[0], self.sq_sum: sums[1]}
         workspace = torch.empty(max(1, self.workspace_bytes), dtype=torch.uint8, device=y.device)
         self.graph.execute(binding, workspace, handle=self.handle)
