@@ -266,26 +266,37 @@ def check_half(name, dtype):
     model.to(DTYPES[dtype])
     with torch.no_grad():
         inputs = cast(inputs, DTYPES[dtype])
-        try:
-            ref = tensors(model(**inputs))
-        except Exception as e:
-            raise Skip(f"eager: {crash_lines(e)[0][:150]}") from e
-        bad = [k for k, t in ref if not t.isfinite().all()]
-        if bad:
-            raise Skip(f"eager: non-finite {bad[0]}")
+        ref = eager_half(model, inputs)
         torch._dynamo.reset()
         compiled = resfuse.compile(model, interpret=True)
         ours = tensors(compiled(**inputs))
+    return max(judge_half(ours, ref, exact, FLOOR[dtype]), key=lambda r: r[0])[1:], compiled.resfuse_report
+
+
+def eager_half(model, inputs):
+    """Eager's output tensors in half precision; Skip where eager raises or gives a non-finite output."""
+    try:
+        ref = tensors(model(**inputs))
+    except Exception as e:
+        raise Skip(f"eager: {crash_lines(e)[0][:150]}") from e
+    bad = [k for k, t in ref if not t.isfinite().all()]
+    if bad:
+        raise Skip(f"eager: non-finite {bad[0]}")
+    return ref
+
+
+def judge_half(ours, ref, exact, floor: float, label: str = "") -> list:
+    """(how far over its bound, resfuse's error, eager's, the output's name + label, whether over) for each output:
+    both errors against `exact`, the bound max(2 x eager's, floor)."""
     if not [k for k, _ in ours] == [k for k, _ in ref] == [k for k, _ in exact]:
         raise AssertionError(f"outputs differ: {[k for k, _ in ours]} vs {[k for k, _ in ref]}")
     rows = []
     for (k, a), (_, b), (_, x) in zip(ours, ref, exact):
         err = rel(a, x) if a.shape == x.shape else float("inf")
         eager = rel(b, x)
-        bound = max(2 * eager, FLOOR[dtype])
-        rows.append((err / bound if not math.isnan(err) else float("inf"), err, eager, k, not err <= bound))
-    _, err, eager, where, wrong = max(rows, key=lambda r: r[0])
-    return (err, eager, where, wrong), compiled.resfuse_report
+        bound = max(2 * eager, floor)
+        rows.append((err / bound if not math.isnan(err) else float("inf"), err, eager, k + label, not err <= bound))
+    return rows
 
 
 def check_train(name):

@@ -45,7 +45,6 @@ import copy
 import importlib
 import inspect
 import json
-import math
 import os
 import signal
 import subprocess
@@ -72,7 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import resfuse  # noqa: E402
 from bench import hf_sweep  # noqa: E402
-from bench.hf_sweep import FLOOR, WRONG, Skip, crash_lines, rel, said, tensors  # noqa: E402
+from bench.hf_sweep import FLOOR, WRONG, Skip, crash_lines, said, tensors  # noqa: E402
 
 B = 2
 
@@ -87,6 +86,11 @@ def timm_model(timm, name, px, **kw):
     if cfg is not None and cfg.fixed_input_size:
         kw.setdefault("img_size", px)
     return timm.create_model(name, pretrained=False, drop_rate=0.0, **kw)
+
+
+def timm_cases(names, cpu_px: int, cuda_px: int) -> dict:
+    """CASES entries of timm models built by name (timm_model), at these image sizes."""
+    return {name: ("timm", lambda timm, px, name=name: timm_model(timm, name, px), cpu_px, cuda_px) for name in names}
 
 
 def tv_resnext(tv, px):
@@ -125,25 +129,16 @@ CASES = {
     "lraspp": ("torchvision", lambda tv, px: tv.models.segmentation.lraspp_mobilenet_v3_large(
         weights=None, weights_backbone=None), 64, 128),  # a dilated MobileNetV3-Large; a dict output
     # timm's test models (a few hundred thousand parameters each)
-    **{name: ("timm", lambda timm, px, name=name: timm_model(timm, name, px), 64, 160) for name in (
+    **timm_cases((
         "test_byobnet", "test_coatnet", "test_convnext", "test_convnext2", "test_convnext3", "test_efficientnet",
         "test_efficientnet_evos", "test_efficientnet_gn", "test_efficientnet_ln", "test_mambaout", "test_maxvit",
-        "test_nfnet", "test_resnet", "test_vit", "test_vit2", "test_vit3", "test_vit4", "test_vit_relpos")},
+        "test_nfnet", "test_resnet", "test_vit", "test_vit2", "test_vit3", "test_vit4", "test_vit_relpos"), 64, 160),
     # timm blocks the test models lack
     "resnetv2-preact": ("timm", lambda timm, px: timm_model(timm, "resnetv2_50", px, layers=[1, 1, 1, 1]), 32, 128),
     "resnetv2-bit": ("timm", lambda timm, px: timm.models.resnetv2.ResNetV2(layers=[1, 1, 1, 1]), 32, 128),
-    "ghostnet_050": ("timm", lambda timm, px: timm_model(timm, "ghostnet_050", px), 32, 128),
-    "lcnet_050": ("timm", lambda timm, px: timm_model(timm, "lcnet_050", px), 32, 128),
-    "mixnet_s": ("timm", lambda timm, px: timm_model(timm, "mixnet_s", px), 32, 128),
-    "repvgg_a0": ("timm", lambda timm, px: timm_model(timm, "repvgg_a0", px), 32, 128),
-    "ese_vovnet19b_dw": ("timm", lambda timm, px: timm_model(timm, "ese_vovnet19b_dw", px), 32, 128),
-    "hgnetv2_b0": ("timm", lambda timm, px: timm_model(timm, "hgnetv2_b0", px), 32, 128),
-    "dla46_c": ("timm", lambda timm, px: timm_model(timm, "dla46_c", px), 32, 128),
-    "cs3darknet_s": ("timm", lambda timm, px: timm_model(timm, "cs3darknet_s", px), 32, 128),
-    "starnet_s050": ("timm", lambda timm, px: timm_model(timm, "starnet_s050", px), 32, 128),
-    "edgenext_xx_small": ("timm", lambda timm, px: timm_model(timm, "edgenext_xx_small", px), 64, 128),
-    "mobilevit_xxs": ("timm", lambda timm, px: timm_model(timm, "mobilevit_xxs", px), 64, 128),
-    "efficientvit_b0": ("timm", lambda timm, px: timm_model(timm, "efficientvit_b0", px), 64, 128),
+    **timm_cases(("ghostnet_050", "lcnet_050", "mixnet_s", "repvgg_a0", "ese_vovnet19b_dw", "hgnetv2_b0", "dla46_c",
+                  "cs3darknet_s", "starnet_s050"), 32, 128),
+    **timm_cases(("edgenext_xx_small", "mobilevit_xxs", "efficientvit_b0"), 64, 128),
 }
 TRAIN = ["resnet18", "densenet-small", "mobilenet_v3_small", "regnet_y_400mf", "test_convnext", "test_vit",
          "test_efficientnet", "resnetv2-preact"]
@@ -201,31 +196,16 @@ def check_cuda(name, library):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     del wide
     with torch.no_grad():
-        try:
-            ref = tensors(model(**half_in))
-        except Exception as e:
-            raise Skip(f"eager: {crash_lines(e)[0][:150]}") from e
-        bad = [k for k, t in ref if not t.isfinite().all()]
-        if bad:
-            raise Skip(f"eager: non-finite {bad[0]}")
+        ref = hf_sweep.eager_half(model, half_in)
         torch._dynamo.reset()
         with tempfile.TemporaryDirectory() as cache:  # --library: no tuned choice from an earlier run applies
             options = {"tuning_budget_s": 0.0, "cache_dir": cache} if library else {"tuning": "none"}
             compiled = resfuse.compile(model, **options)
             calls = [tensors(compiled(**half_in)) for _ in range(3)]
         torch.cuda.synchronize()
-    rows = []
-    for call, ours in ((1, calls[0]), (3, calls[2])):
-        if not [k for k, _ in ours] == [k for k, _ in ref] == [k for k, _ in exact]:
-            raise AssertionError(f"outputs differ: {[k for k, _ in ours]} vs {[k for k, _ in ref]}")
-        for (k, a), (_, b), (_, r) in zip(ours, ref, exact):  # as hf_sweep.check_half
-            err = rel(a, r) if a.shape == r.shape else float("inf")
-            eager = rel(b, r)
-            bound = max(2 * eager, FLOOR["fp16"])
-            rows.append((err / bound if not math.isnan(err) else float("inf"), err, eager, f"{k} (call {call})",
-                         not err <= bound))
-    _, err, eager, where, wrong = max(rows, key=lambda r: r[0])
-    return (err, eager, where, wrong), compiled.resfuse_report
+    rows = [r for call in (1, 3) for r in hf_sweep.judge_half(calls[call - 1], ref, exact, FLOOR["fp16"],
+                                                              f" (call {call})")]
+    return max(rows, key=lambda r: r[0])[1:], compiled.resfuse_report
 
 
 def check(name, train, rejected, library=False):
