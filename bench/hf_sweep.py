@@ -170,15 +170,20 @@ def model_class(name):
 def build(name):
     torch.manual_seed(0)
     model, inputs = CASES[name][1](model_class(name))
-    with torch.no_grad():
-        for m in model.modules():  # statistics a trained net could have: the identity would hide a wrong fold
-            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
-                m.running_mean.uniform_(-0.5, 0.5)
-                m.running_var.uniform_(0.5, 2.0)
-                if m.affine:
-                    m.weight.uniform_(0.5, 1.5)
-                    m.bias.uniform_(-0.5, 0.5)
+    randomise_batch_norms(model)
     return model, inputs
+
+
+@torch.no_grad()
+def randomise_batch_norms(model):
+    """Statistics and affine parameters a trained net could have: the identity would hide a wrong fold."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            if m.affine:
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
 
 
 def tensors(out, prefix="out"):
@@ -229,7 +234,7 @@ def crash_lines(e):
                                              for f in ours + tail]
 
 
-def check_eval(name):
+def check_eval(name, build=build):
     model, inputs = build(name)
     model.eval()
     torch._dynamo.reset()
@@ -299,7 +304,7 @@ def judge_half(ours, ref, exact, floor: float, label: str = "") -> list:
     return rows
 
 
-def check_train(name):
+def check_train(name, build=build):
     """One training step: a fixed random weighting of every output tensor summed and backpropagated (a plain mean
     of a LayerNorm's output has a zero gradient), every parameter's gradient against eager's. A gradient that is
     zero in exact arithmetic (a key bias under softmax, a batch norm's shift before a training batch norm) is

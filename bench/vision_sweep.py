@@ -55,7 +55,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from unittest import mock
 
 
 def _device() -> str:
@@ -178,12 +177,7 @@ def build(name, px=None):
                 m.drop_prob = 0.0
             if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)) and not m.weight.any():
                 m.reset_parameters()  # zero-initialised (torchvision ViT's head): the output would not tell
-            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):  # as hf_sweep.build
-                m.running_mean.uniform_(-0.5, 0.5)
-                m.running_var.uniform_(0.5, 2.0)
-                if m.affine:
-                    m.weight.uniform_(0.5, 1.5)
-                    m.bias.uniform_(-0.5, 0.5)
+    hf_sweep.randomise_batch_norms(model)
     first = next(iter(inspect.signature(model.forward).parameters))
     return model, {first: torch.randn(B, 3, px, px)}
 
@@ -230,8 +224,8 @@ def check(name, train, rejected, library=False):
             (err, eager, where, wrong), report = check_cuda(name, library)
         else:
             train_px = TRAIN.get(name) if train else None
-            with mock.patch.object(hf_sweep, "build", lambda n: build(n, train_px)):  # hf_sweep's checks, our models
-                (err, where), report = (hf_sweep.check_train if train else hf_sweep.check_eval)(name)
+            check_cpu = hf_sweep.check_train if train else hf_sweep.check_eval  # on this sweep's models
+            (err, where), report = check_cpu(name, build=lambda n: build(n, train_px))
             eager, wrong = None, not err <= WRONG
     except Skip as e:
         return {**row, "status": "skip", "s": time.perf_counter() - t0, "said": [str(e)]}
